@@ -1,0 +1,1 @@
+"""Thin scripts: the main job, ablations, benchmarks and figures (`python -m experiments.<name>`)."""

@@ -1,0 +1,40 @@
+"""Input checks shared by the objectives: clear errors instead of silent NaNs.
+
+Checks run eagerly when the input is concrete and through `jax.debug.callback` when it is traced
+(under `jit`/`vmap`), so a bad value raises an error naming the problem in both cases (under `jit`
+the error surfaces as a `JaxRuntimeError` whose message contains the text below).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _raise_if_nonfinite(x: np.ndarray, name: str) -> None:
+    x = np.asarray(x)
+    bad = ~np.isfinite(x)
+    if bad.any():
+        where = np.argwhere(bad)[:8].tolist()
+        raise ValueError(
+            f"{name} contains {int(bad.sum())} non-finite value(s) (NaN/Inf), first at index "
+            f"{where}. Mask infrastructure failures out with `valid=` instead of passing NaN."
+        )
+
+
+def check_finite(x: jax.Array, name: str, where: jax.Array | None = None) -> None:
+    """Raise ValueError if `x` has a NaN/Inf at a position where `where` is true (default: all)."""
+    if where is not None:
+        x = jnp.where(where, x, jnp.zeros_like(x))
+    if isinstance(x, jax.core.Tracer):
+        jax.debug.callback(_raise_if_nonfinite, x, name)
+    else:
+        _raise_if_nonfinite(np.asarray(jax.device_get(x), dtype=np.float64), name)
+
+
+def one_of(value: str, allowed: tuple[str, ...], field: str) -> str:
+    """Return `value` if it is one of `allowed`, else raise a ValueError naming the field."""
+    if value not in allowed:
+        raise ValueError(f"{field}={value!r} is not one of {allowed}")
+    return value

@@ -1,0 +1,1 @@
+"""Environments: tasks, tool-calling harness, tools, graders and rewards."""
