@@ -9,7 +9,10 @@ can be overridden, e.g. `--config.loss.clip_high=0.28 --config.train.staleness=2
 
 import ml_collections
 
-from rlcode.recipes import recipe
+from rlcode.recipes import RECIPES, recipe
+
+# The arguments this config accepts after ':' (every config file lists its own; tests build each).
+ARGS = RECIPES
 
 
 def get_config(arg=None):
@@ -28,7 +31,7 @@ def get_config(arg=None):
             "log_every": 10,
         }
     )
-    objective = recipe(arg or "grpo", max_new_tokens=cfg.task.max_len)
+    objective = recipe(arg or "grpo", max_new_tokens=cfg.task.max_len)  # raises on an unknown name
     cfg.objective = objective.name
     cfg.advantage = objective.advantage
     cfg.loss = objective.loss

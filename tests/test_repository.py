@@ -1,0 +1,32 @@
+"""The README's set-up commands and CI agree, and the package layout is what the docs promise."""
+
+import os
+import re
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def readme_commands():
+    text = open(os.path.join(ROOT, "README.md")).read()
+    block = re.search(r"```bash\n(.*?)```", text, re.S)
+    assert block, "README.md must open with a bash block of set-up commands"
+    return [line for line in block.group(1).splitlines() if line.strip()]
+
+
+def test_readme_opens_with_install_plus_main_job_then_tests():
+    install, tests = readme_commands()[:2]
+    assert install.startswith('pip install -e ".[test]"') and "python -m experiments." in install
+    assert "pytest" in tests
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    test_command = readme_commands()[1]
+    ci = open(os.path.join(ROOT, ".ci", "run")).read().splitlines()
+    assert test_command in ci
+    assert any(line.startswith("pip install") and '-e ".[test]"' in line for line in ci)
+
+
+def test_top_level_layout():
+    for name in ("rlcode", "kernels", "experiments", "configs", "tests", "setup.py", "README.md", "LICENSE"):
+        assert os.path.exists(os.path.join(ROOT, name)), name
+    assert "Apache License" in open(os.path.join(ROOT, "LICENSE")).read()
