@@ -1,5 +1,6 @@
 """The README's set-up commands and CI agree, and the package layout is what the docs promise."""
 
+import math
 import os
 import re
 
@@ -30,3 +31,14 @@ def test_top_level_layout():
     for name in ("rlcode", "kernels", "experiments", "configs", "tests", "setup.py", "README.md", "LICENSE"):
         assert os.path.exists(os.path.join(ROOT, name)), name
     assert "Apache License" in open(os.path.join(ROOT, "LICENSE")).read()
+
+
+def test_readme_examples_run():
+    """The README's python blocks run in order, in one namespace, as a reader would paste them."""
+    text = open(os.path.join(ROOT, "README.md")).read()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert len(blocks) >= 5
+    namespace: dict = {}
+    for block in blocks:
+        exec(compile(block, "README.md", "exec"), namespace)
+    assert math.isfinite(float(namespace["loss"]))
