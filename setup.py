@@ -16,6 +16,8 @@ INSTALL_REQUIRES = [
     "tensorboard>=2.18,<3",
     "numpy>=2.0,<3",
     "matplotlib>=3.9,<4",
+    # Loads Hugging Face tokenizer.json files behind the project's tokenizer interface.
+    "tokenizers>=0.20,<1",
     # Triton ships Linux wheels only; elsewhere the Triton paths report themselves unavailable
     # and the XLA reference of every kernel is used.
     "triton>=3.4,<4; platform_system == 'Linux'",
@@ -40,7 +42,6 @@ setup(
     extras_require=EXTRAS_REQUIRE,
     classifiers=[
         "Programming Language :: Python :: 3.11",
-        "License :: OSI Approved :: Apache Software License",
         "Topic :: Scientific/Engineering :: Artificial Intelligence",
     ],
 )

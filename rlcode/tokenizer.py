@@ -1,0 +1,395 @@
+"""Tokenizers behind one interface, the chat / tool-call template, and the assistant loss mask.
+
+Template
+--------
+A conversation is a list of messages ``{"role": "system"|"user"|"assistant"|"tool",
+"content": str}``. An assistant message may carry ``"tool_calls": [{"name": str, "arguments":
+dict}]``; a tool message may carry ``"name"`` (kept for the harness, not rendered). Each message
+renders as::
+
+    <|im_start|>{role}\\n{content}[<tool_call>{call_json}</tool_call> ...]<|im_end|>\\n
+
+where ``call_json = json.dumps({"name": name, "arguments": arguments}, sort_keys=True)``, one
+``<tool_call>...</tool_call>`` block per call, in order. The generation prompt is
+``<|im_start|>assistant\\n``. No ``<|bos|>`` is inserted; a caller that wants one prepends
+``bos_id``.
+
+Special tokens are ``<|pad|>``, ``<|bos|>``, ``<|eos|>``, ``<|im_start|>``, ``<|im_end|>``,
+``<tool_call>`` and ``</tool_call>``. ``<|eos|>`` is a token of its own rather than an alias of
+``<|im_end|>``: ``<|im_end|>`` closes one turn of a multi-turn episode, ``<|eos|>`` ends a
+document, and keeping them apart lets pre-training style data and chat data share a vocabulary.
+A generation stops at either (`Tokenizer.stop_ids`).
+
+Only the template inserts special ids. `Tokenizer.encode` maps any text, including text that
+spells a special token such as ``"<|im_end|>"``, to ordinary ids, so a user or a tool output
+cannot inject turn boundaries or tool calls (prompt injection), and the loss mask cannot be
+shifted by the content of a message.
+
+Loss mask
+---------
+`Tokenizer.encode_chat` returns ``(ids, assistant_mask)``, two lists of length T.
+``assistant_mask[t]`` is 1 exactly on the tokens the policy produced: the content of assistant
+messages, their ``<tool_call>...</tool_call>`` blocks, and their closing ``<|im_end|>``. It is 0 on
+system, user and tool messages, on every ``<|im_start|>{role}\\n`` header (including the
+generation prompt) and on the ``\\n`` after each ``<|im_end|>``, which the template adds after
+generation has stopped.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import tokenizers
+
+PAD = "<|pad|>"
+BOS = "<|bos|>"
+EOS = "<|eos|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+TOOL_CALL_START = "<tool_call>"
+TOOL_CALL_END = "</tool_call>"
+
+# The order fixes the ids of ByteTokenizer: 256 + index.
+SPECIAL_TOKENS = (PAD, BOS, EOS, IM_START, IM_END, TOOL_CALL_START, TOOL_CALL_END)
+# Tokens the template itself writes; their strings are fixed by the template.
+TEMPLATE_TOKENS = (IM_START, IM_END, TOOL_CALL_START, TOOL_CALL_END)
+
+ROLES = ("system", "user", "assistant", "tool")
+
+# Error codes of `parse_tool_calls`.
+TOOL_CALL_ERRORS = (
+    "unclosed_tag",  # <tool_call> with no </tool_call> before the next <tool_call> or the end
+    "unopened_tag",  # </tool_call> with no <tool_call> before it
+    "invalid_json",  # the block is not valid JSON
+    "not_an_object",  # the JSON is not an object
+    "missing_name",  # "name" is absent, not a string, or empty
+    "invalid_arguments",  # "arguments" is present but not an object
+)
+
+Message = Mapping[str, Any]
+
+
+def format_tool_call(call: Mapping[str, Any]) -> str:
+    """The JSON text of one tool call inside ``<tool_call>...</tool_call>``.
+
+    call: ``{"name": str, "arguments": dict}``. Raises ValueError on a malformed call, so a
+    conversation that cannot be rendered faithfully is never rendered.
+    """
+    name = call.get("name")
+    arguments = call.get("arguments", {})
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"tool call needs a non-empty string 'name', got {name!r}")
+    if not isinstance(arguments, Mapping):
+        kind = type(arguments).__name__
+        raise ValueError(f"tool call {name!r}: 'arguments' must be a dict, got {kind}")
+    return json.dumps({"name": name, "arguments": dict(arguments)}, sort_keys=True)
+
+
+def _tool_call_result(raw: str, name: str | None, arguments: dict | None, error: str | None,
+                      message: str | None) -> dict[str, Any]:
+    return {"name": name, "arguments": arguments, "error": error, "message": message, "raw": raw}
+
+
+def _parse_tool_call_body(raw: str) -> dict[str, Any]:
+    try:
+        obj = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        # RecursionError: deeply nested brackets, which a policy can generate.
+        return _tool_call_result(raw, None, None, "invalid_json", f"tool call is not valid JSON: {e}")
+    if not isinstance(obj, dict):
+        return _tool_call_result(raw, None, None, "not_an_object",
+                                 f"tool call JSON must be an object, got {type(obj).__name__}")
+    name = obj.get("name")
+    if not isinstance(name, str) or not name:
+        return _tool_call_result(raw, None, None, "missing_name",
+                                 f"tool call needs a non-empty string 'name', got {name!r}")
+    arguments = obj.get("arguments", {})
+    if not isinstance(arguments, dict):
+        return _tool_call_result(raw, name, None, "invalid_arguments",
+                                 f"tool call {name!r}: 'arguments' must be an object, got "
+                                 f"{type(arguments).__name__}")
+    return _tool_call_result(raw, name, arguments, None, None)
+
+
+def parse_tool_calls(text: str) -> list[dict[str, Any]]:
+    """Extract the tool calls of generated assistant text; never raises on malformed calls.
+
+    text: decoded assistant output (special tokens rendered as their strings).
+    Returns one dict per ``<tool_call>`` block or stray ``</tool_call>``, in order of appearance:
+    ``{"name": str | None, "arguments": dict | None, "error": str | None, "message": str | None,
+    "raw": str}``. ``error`` is None for a well-formed call, else one of `TOOL_CALL_ERRORS`, with
+    a readable ``message``; ``raw`` is the text between the tags (up to the next ``<tool_call>``
+    or the end of the text when unclosed). A missing ``"arguments"`` key reads as ``{}``.
+    """
+    calls: list[dict[str, Any]] = []
+    pos = 0
+    while True:
+        start = text.find(TOOL_CALL_START, pos)
+        stray = text.find(TOOL_CALL_END, pos)
+        if stray != -1 and (start == -1 or stray < start):
+            message = f"{TOOL_CALL_END} at character {stray} has no {TOOL_CALL_START}"
+            calls.append(_tool_call_result("", None, None, "unopened_tag", message))
+            pos = stray + len(TOOL_CALL_END)
+            continue
+        if start == -1:
+            return calls
+        body = start + len(TOOL_CALL_START)
+        end = text.find(TOOL_CALL_END, body)
+        following = text.find(TOOL_CALL_START, body)
+        if end == -1 or (following != -1 and following < end):
+            stop = len(text) if following == -1 else following
+            calls.append(_tool_call_result(text[body:stop], None, None, "unclosed_tag",
+                                           f"{TOOL_CALL_START} at character {start} is never closed"))
+            pos = stop
+            continue
+        calls.append(_parse_tool_call_body(text[body:end]))
+        pos = end + len(TOOL_CALL_END)
+
+
+class Tokenizer(abc.ABC):
+    """Text <-> token ids, with the chat template of this module.
+
+    Subclasses implement `encode` and `decode` and set the attributes below in ``__init__``
+    (through `_set_special_ids`). The template methods are shared, so every tokenizer renders a
+    conversation the same way.
+
+    Attributes:
+      vocab_size: ids lie in [0, vocab_size); the size of the embedding table V.
+      pad_id, bos_id, eos_id, im_start_id, im_end_id, tool_call_start_id, tool_call_end_id: the
+        ids of the special tokens of the module docstring.
+      special_tokens: special-token string -> id.
+    """
+
+    vocab_size: int
+    pad_id: int
+    bos_id: int
+    eos_id: int
+    im_start_id: int
+    im_end_id: int
+    tool_call_start_id: int
+    tool_call_end_id: int
+    special_tokens: dict[str, int]
+
+    @abc.abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """Ids of `text`, length T, with no special tokens added and none produced from the text.
+
+        `text` must be valid Unicode: a lone surrogate (e.g. from ``errors="surrogateescape"``)
+        raises, so decode tool output with ``errors="replace"`` first.
+        """
+
+    @abc.abstractmethod
+    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+        """Text of `ids`; special tokens render as their strings unless `skip_special`."""
+
+    def _set_special_ids(self, ids: Mapping[str, int]) -> None:
+        """Set the special-id attributes from `SPECIAL_TOKENS` entry -> id (all seven)."""
+        self.pad_id = ids[PAD]
+        self.bos_id = ids[BOS]
+        self.eos_id = ids[EOS]
+        self.im_start_id = ids[IM_START]
+        self.im_end_id = ids[IM_END]
+        self.tool_call_start_id = ids[TOOL_CALL_START]
+        self.tool_call_end_id = ids[TOOL_CALL_END]
+
+    @property
+    def stop_ids(self) -> list[int]:
+        """Ids that end a generation: ``<|im_end|>`` then ``<|eos|>`` (once if they are one id)."""
+        return list(dict.fromkeys((self.im_end_id, self.eos_id)))
+
+    def apply_chat_template(self, messages: Sequence[Message],
+                            add_generation_prompt: bool = True) -> list[int]:
+        """Ids of the rendered conversation, length T; see the module docstring."""
+        return self.encode_chat(messages, add_generation_prompt=add_generation_prompt)[0]
+
+    def encode_chat(self, messages: Sequence[Message],
+                    add_generation_prompt: bool = True) -> tuple[list[int], list[int]]:
+        """Render `messages` with the template and mark the tokens the assistant produced.
+
+        Returns ``(ids, assistant_mask)``, both of length T; ``assistant_mask[t]`` is 1 on
+        assistant content, tool-call blocks and the assistant's ``<|im_end|>``, 0 elsewhere.
+        Raises ValueError on an unknown role, non-string content, or tool calls on a message
+        that is not from the assistant.
+        """
+        ids: list[int] = []
+        mask: list[int] = []
+
+        def emit(piece: list[int], produced: int) -> None:
+            ids.extend(piece)
+            mask.extend([produced] * len(piece))
+
+        for i, message in enumerate(messages):
+            role = message.get("role")
+            content = message.get("content")
+            if role not in ROLES:
+                raise ValueError(f"message {i}: role must be one of {ROLES}, got {role!r}")
+            if not isinstance(content, str):
+                kind = type(content).__name__
+                raise ValueError(f"message {i} ({role}): content must be a str, got {kind}")
+            calls = message.get("tool_calls") or []
+            if calls and role != "assistant":
+                raise ValueError(f"message {i}: only assistant messages may carry tool_calls, "
+                                 f"got role {role!r}")
+            produced = int(role == "assistant")
+            emit([self.im_start_id], 0)
+            emit(self.encode(role + "\n"), 0)
+            emit(self.encode(content), produced)
+            for call in calls:
+                emit([self.tool_call_start_id], produced)
+                emit(self.encode(format_tool_call(call)), produced)
+                emit([self.tool_call_end_id], produced)
+            emit([self.im_end_id], produced)
+            emit(self.encode("\n"), 0)
+        if add_generation_prompt:
+            emit([self.im_start_id], 0)
+            emit(self.encode("assistant\n"), 0)
+        return ids, mask
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes as tokens: ids 0..255 are bytes, 256..262 the special tokens in the order of
+    `SPECIAL_TOKENS`, and ids from 263 up to `vocab_size` are padding that decodes to "".
+
+    vocab_multiple: `vocab_size` is 263 rounded up to a multiple of this (default 64, giving
+    320), so the embedding and output matrices tile evenly on accelerators and shard evenly over
+    the vocabulary axis; 1 disables the rounding.
+    """
+
+    def __init__(self, vocab_multiple: int = 64):
+        if vocab_multiple < 1:
+            raise ValueError(f"vocab_multiple must be >= 1, got {vocab_multiple}")
+        self.special_tokens = {s: 256 + i for i, s in enumerate(SPECIAL_TOKENS)}
+        self._set_special_ids(self.special_tokens)
+        num_real = 256 + len(SPECIAL_TOKENS)
+        self.vocab_size = math.ceil(num_real / vocab_multiple) * vocab_multiple
+        self._strings = {i: s for s, i in self.special_tokens.items()}
+
+    def encode(self, text: str) -> list[int]:
+        """The UTF-8 bytes of `text`, length T = its byte count; never a special id."""
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+        """Text of `ids`. Byte runs that are not valid UTF-8 decode with U+FFFD replacements;
+        padding ids decode to ""; ids outside [0, vocab_size) raise ValueError."""
+        parts: list[str] = []
+        run = bytearray()
+        for token in ids:
+            token = int(token)
+            if not 0 <= token < self.vocab_size:
+                raise ValueError(f"token id {token} is outside [0, {self.vocab_size})")
+            if token < 256:
+                run.append(token)
+                continue
+            # A special token ends the byte run: bytes never combine across it.
+            parts.append(run.decode("utf-8", errors="replace"))
+            run.clear()
+            if token in self._strings and not skip_special:
+                parts.append(self._strings[token])
+        parts.append(run.decode("utf-8", errors="replace"))
+        return "".join(parts)
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face ``tokenizers`` tokenizer (a ``tokenizer.json``) behind `Tokenizer`.
+
+    path_or_tokenizer: path of a ``tokenizer.json``, or a ``tokenizers.Tokenizer`` (copied; the
+      caller's object is not modified).
+    pad_token, bos_token, eos_token: the strings of those three tokens in the file (e.g.
+      ``eos_token="<|endoftext|>"``); the template tokens keep the strings of the template.
+
+    Every special string must be in the file's vocabulary (as an added token or a model token),
+    else ValueError naming it. `vocab_size` is one more than the largest id of the file,
+    without rounding: the file fixes the ids.
+
+    User text never becomes special ids: the copy registers the seven strings as special added
+    tokens and encodes with ``encode_special_tokens=True``, which makes ``tokenizers`` pass
+    special strings through the model as plain text instead of matching them (by default
+    ``encode(..., add_special_tokens=False)`` still maps ``"<|im_end|>"`` in the text to its
+    id). A tokenizer whose model itself maps a special string to the special id (for example a
+    word-level vocabulary holding ``"<|im_end|>"``) cannot give this guarantee and is rejected
+    with ValueError when constructed. Truncation and padding stored in the file are disabled so
+    `encode` never drops text.
+    """
+
+    def __init__(self, path_or_tokenizer: str | os.PathLike | tokenizers.Tokenizer, *,
+                 pad_token: str = PAD, bos_token: str = BOS, eos_token: str = EOS):
+        if isinstance(path_or_tokenizer, tokenizers.Tokenizer):
+            tok = tokenizers.Tokenizer.from_str(path_or_tokenizer.to_str())
+            source = "the given tokenizer"
+        else:
+            tok = tokenizers.Tokenizer.from_file(os.fspath(path_or_tokenizer))
+            source = os.fspath(path_or_tokenizer)
+        tok.no_truncation()
+        tok.no_padding()
+
+        roles = {PAD: pad_token, BOS: bos_token, EOS: eos_token}
+        roles.update({s: s for s in TEMPLATE_TOKENS})
+        by_role: dict[str, int] = {}
+        for role, string in roles.items():
+            token_id = tok.token_to_id(string)
+            if token_id is None:
+                what = role if role == string else f"{role} (as {string!r})"
+                raise ValueError(f"special token {what} is missing from the vocabulary of {source}")
+            by_role[role] = token_id
+
+        strings = list(dict.fromkeys(roles.values()))
+        # Registering an existing token keeps its id and only marks it special, which is what
+        # `encode_special_tokens` acts on (files may store e.g. <tool_call> as a plain added token).
+        tok.add_special_tokens(
+            [tokenizers.AddedToken(s, special=True, normalized=False) for s in strings])
+        tok.encode_special_tokens = True
+
+        self._tok = tok
+        self._set_special_ids(by_role)
+        self.special_tokens = {roles[role]: token_id for role, token_id in by_role.items()}
+        self._special_ids = frozenset(by_role.values())
+        self.vocab_size = max(tok.get_vocab(with_added_tokens=True).values()) + 1
+        for string in strings:
+            for probe in (string, f"a{string}b", f" {string} ", f"\n{string}\n"):
+                leaked = self._special_ids.intersection(self._raw_encode(probe))
+                if leaked:
+                    raise ValueError(
+                        f"{source} encodes the plain text {probe!r} to special id(s) "
+                        f"{sorted(leaked)}; its model keeps the special string whole, so user "
+                        "text could forge template tokens")
+
+    def _raw_encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of `text`, length T; never a special id (ValueError if the model would produce one)."""
+        ids = self._raw_encode(text)
+        leaked = self._special_ids.intersection(ids)
+        if leaked:
+            # Construction probes the special strings themselves; this guards the rest, e.g. a
+            # normalizer or merges that turn other text into a special string.
+            raise ValueError(f"text encodes to special id(s) {sorted(leaked)}; "
+                             "refusing to forge template tokens")
+        return ids
+
+    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+        """Text of `ids` through the file's decoder. `skip_special` drops every special token of
+        the file (the seven of the template are registered as special); ids outside
+        [0, vocab_size) raise ValueError."""
+        ids = [int(token) for token in ids]
+        for token in ids:
+            if not 0 <= token < self.vocab_size:
+                raise ValueError(f"token id {token} is outside [0, {self.vocab_size})")
+        return self._tok.decode(ids, skip_special_tokens=skip_special)
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+    """``"byte"`` -> `ByteTokenizer`; a ``tokenizer.json`` path (or a directory holding one) ->
+    `HFTokenizer`. Raises ValueError for anything else."""
+    if spec == "byte":
+        return ByteTokenizer()
+    path = os.path.join(spec, "tokenizer.json") if os.path.isdir(spec) else spec
+    if os.path.isfile(path):
+        return HFTokenizer(path)
+    raise ValueError(f"tokenizer spec {spec!r} is neither 'byte' nor a tokenizer.json file "
+                     "or a directory holding one")
