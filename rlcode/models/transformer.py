@@ -1,0 +1,228 @@
+"""Decoder-only Llama/Qwen-style policy in Flax NNX.
+
+Token embedding -> L x [RMSNorm -> attention -> residual, RMSNorm -> MLP -> residual] -> RMSNorm.
+Grouped-query attention with RoPE (configurable theta) and optional QK-norm; SwiGLU MLP; tied or
+untied output embedding; optional scalar value head (PPO). Attention and MLP come from their
+registries (`attention.kind`, `mlp.kind`), so variants plug in without touching this file.
+
+The model returns final hidden states, not logits: `rlcode.models.logprobs` turns hidden states
+and `unembedding()` into token log-probs without materialising [B, T, V]. Shapes: B batch, T
+time, D model, N heads, K kv heads, H head dim, F ffw, V vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+
+from rlcode.models.attention import AttentionMask, KVCache, make_attention
+from rlcode.models.layers import RMSNorm, make_param
+from rlcode.models.mlp import make_mlp
+from rlcode.sharding import constrain
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def model_config(**overrides: Any) -> ml_collections.ConfigDict:
+    """The `model` config section with defaults (a tiny model; configs/ override sizes)."""
+    cfg = ml_collections.ConfigDict(
+        {
+            "vocab_size": 512,
+            "d_model": 64,
+            "num_layers": 2,
+            "num_heads": 4,
+            "num_kv_heads": 2,
+            "head_dim": 16,
+            "ffw_dim": 192,
+            "rope_theta": 10000.0,
+            "norm_eps": 1e-6,
+            "qk_norm": False,
+            "tie_embeddings": True,
+            "value_head": False,
+            "dtype": "float32",
+            "param_dtype": "float32",
+            "attention": {"kind": "dense"},
+            "mlp": {"kind": "dense"},
+        }
+    )
+    cfg.update(overrides)
+    return cfg
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Frozen, validated model sizes derived from a `model` config section."""
+
+    vocab_size: int
+    d_model: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffw_dim: int
+    rope_theta: float
+    norm_eps: float
+    qk_norm: bool
+    tie_embeddings: bool
+    value_head: bool
+    dtype: Any
+    param_dtype: Any
+    attention: ml_collections.FrozenConfigDict
+    mlp: ml_collections.FrozenConfigDict
+
+    @classmethod
+    def from_config(cls, config: Any) -> "ModelConfig":
+        values = {f.name: config[f.name] for f in dataclasses.fields(cls)}
+        for name in ("dtype", "param_dtype"):
+            if values[name] not in DTYPES:
+                raise ValueError(f"model.{name}={values[name]!r} is not one of {sorted(DTYPES)}")
+            values[name] = DTYPES[values[name]]
+        for name in ("attention", "mlp"):
+            values[name] = ml_collections.FrozenConfigDict(values[name])
+        out = cls(**values)
+        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "ffw_dim"):
+            if getattr(out, name) <= 0:
+                raise ValueError(f"model.{name} must be > 0, got {getattr(out, name)}")
+        if out.num_heads % out.num_kv_heads:
+            raise ValueError(f"model.num_heads={out.num_heads} must be a multiple of num_kv_heads={out.num_kv_heads}")
+        if out.head_dim % 2:
+            raise ValueError(f"model.head_dim={out.head_dim} must be even (RoPE)")
+        return out
+
+
+class ModelOutput(NamedTuple):
+    """hidden [B, T, D] after the final norm; values [B, T] float32 (value head) or None;
+    aux: summed auxiliary losses of the MLPs; kv: per-layer KVCache when requested."""
+
+    hidden: jax.Array
+    values: jax.Array | None
+    aux: dict[str, jax.Array]
+    kv: list[KVCache] | None
+
+
+class Block(nnx.Module):
+    """Pre-norm residual block: attention then MLP."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        kw = dict(eps=cfg.norm_eps, axis_name="embed", param_dtype=cfg.param_dtype, rngs=rngs)
+        self.attn_norm = RMSNorm(cfg.d_model, **kw)
+        self.attn = make_attention(cfg, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, **kw)
+        self.mlp = make_mlp(cfg, rngs=rngs)
+
+    def __call__(self, x, positions, mask):
+        y, kv = self.attn(self.attn_norm(x), positions, mask)
+        x = constrain(x + y, ("batch", "seq", "embed"))
+        y, aux = self.mlp(self.mlp_norm(x))
+        return constrain(x + y, ("batch", "seq", "embed")), kv, aux
+
+    def decode(self, x_bd, positions_b, prefix, prefix_lengths, suffix, step):
+        y, suffix = self.attn.decode(self.attn_norm(x_bd), positions_b, prefix, prefix_lengths, suffix, step)
+        x = x_bd + y
+        y, _ = self.mlp(self.mlp_norm(x)[:, None])
+        return x + y[:, 0], suffix
+
+
+class Transformer(nnx.Module):
+    """The policy (and optional value) network."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        V, D, pd = cfg.vocab_size, cfg.d_model, cfg.param_dtype
+        self.embed = make_param(rngs, nnx.initializers.normal(D**-0.5), (V, D), ("vocab", "embed"), pd)
+        self.num_layers = cfg.num_layers
+        for i in range(cfg.num_layers):
+            setattr(self, f"block_{i}", Block(cfg, rngs=rngs))
+        self.final_norm = RMSNorm(D, eps=cfg.norm_eps, axis_name="embed", param_dtype=pd, rngs=rngs)
+        if not cfg.tie_embeddings:
+            self.unembed = make_param(rngs, nnx.initializers.normal(D**-0.5), (D, V), ("embed", "vocab"), pd)
+        if cfg.value_head:
+            self.value_w = make_param(rngs, nnx.initializers.zeros, (D,), ("embed",), jnp.float32)
+            self.value_b = make_param(rngs, nnx.initializers.zeros, (), (), jnp.float32)
+
+    def blocks(self) -> list[Block]:
+        return [getattr(self, f"block_{i}") for i in range(self.num_layers)]
+
+    def unembedding(self) -> tuple[jax.Array, str]:
+        """The output projection and its layout: ("vd", [V, D]) when tied, else ("dv", [D, V])."""
+        if self.cfg.tie_embeddings:
+            return self.embed[...], "vd"
+        return self.unembed[...], "dv"
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """float32 logits [..., V] for a few positions (sampling); training uses `logprobs`."""
+        w, layout = self.unembedding()
+        eq = "...d,vd->...v" if layout == "vd" else "...d,dv->...v"
+        return jnp.einsum(eq, hidden, w, preferred_element_type=jnp.float32)
+
+    def _embed(self, tokens):
+        # Gather rows from a table whose model dimension is whole on every device (an all-gather
+        # over fsdp), so the lookup needs no cross-device gather of token-indexed rows.
+        table = constrain(self.embed[...], (None, None))
+        return jnp.take(table, tokens, axis=0).astype(self.cfg.dtype)
+
+    def _value(self, hidden):
+        if not self.cfg.value_head:
+            return None
+        return jnp.einsum("...d,d->...", hidden.astype(jnp.float32), self.value_w[...]) + self.value_b[...]
+
+    def __call__(
+        self,
+        tokens_bt: jax.Array,
+        positions_bt: jax.Array | None = None,
+        mask: AttentionMask = AttentionMask(),
+        return_kv: bool = False,
+    ) -> ModelOutput:
+        """Full causal forward. positions default to 0..T-1 per row."""
+        if tokens_bt.ndim != 2:
+            raise ValueError(f"tokens must be [B,T], got shape {tokens_bt.shape}")
+        if positions_bt is None:
+            positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
+        x = constrain(self._embed(tokens_bt), ("batch", "seq", "embed"))
+        kvs, aux = [], {}
+        for block in self.blocks():
+            x, kv, block_aux = block(x, positions_bt, mask)
+            kvs.append(kv)
+            for name, value in block_aux.items():
+                aux[name] = aux.get(name, 0.0) + value
+        hidden = self.final_norm(x)
+        return ModelOutput(hidden, self._value(hidden), aux, kvs if return_kv else None)
+
+    def decode(
+        self,
+        tokens_b: jax.Array,
+        positions_b: jax.Array,
+        prefix: list[KVCache],
+        prefix_lengths: jax.Array,
+        suffix: list[KVCache],
+        step: jax.Array,
+    ) -> tuple[jax.Array, list[KVCache]]:
+        """One token per row against the shared-prefix cache; returns (hidden [B, D], suffix)."""
+        x = self._embed(tokens_b)
+        new_suffix = []
+        for block, pre, suf in zip(self.blocks(), prefix, suffix):
+            x, suf = block.decode(x, positions_b, pre, prefix_lengths, suf, step)
+            new_suffix.append(suf)
+        return self.final_norm(x), new_suffix
+
+    def init_suffix_cache(self, batch: int, max_len: int) -> list[KVCache]:
+        shape = (batch, max_len, self.cfg.num_kv_heads, self.cfg.head_dim)
+        return [KVCache(jnp.zeros(shape, self.cfg.dtype), jnp.zeros(shape, self.cfg.dtype)) for _ in range(self.num_layers)]
+
+
+def init_model(config: Any, seed: int = 0) -> Transformer:
+    """Build a Transformer from a `model` config section (ConfigDict) or a ModelConfig."""
+    cfg = config if isinstance(config, ModelConfig) else ModelConfig.from_config(config)
+    return Transformer(cfg, rngs=nnx.Rngs(params=seed))
+
+
+def logical_axes(model: nnx.Module) -> Any:
+    """Pure-dict tree of each parameter's logical axis names, matching `nnx.to_pure_dict`."""
+    state = nnx.state(model, nnx.Param)
+    axes = jax.tree.map(lambda v: v.get_metadata()["logical_axes"], state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return nnx.to_pure_dict(axes)

@@ -1,0 +1,1 @@
+"""Training: train state, jitted steps, loops, checkpoints and metrics."""

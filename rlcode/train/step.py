@@ -1,0 +1,229 @@
+"""Train state, optimizer, and the jitted, sharded policy-gradient train step.
+
+`train_step(state, batch) -> (state, metrics)` runs the model forward on a batch laid out by
+`rlcode.sampling.to_training_batch` (plus advantages and the log-probs of the old / reference
+policies), computes the objective of `rlcode.losses.objective_terms` from chunked log-probs,
+accumulates gradients over micro-batches with the (numerator, denominator) contract, and applies
+AdamW. It is jitted once with the state's shardings, the batch sharded over the data axes, and
+the state donated.
+
+Batch keys (all [B, T] unless noted): inputs, targets, positions, mask, kv_lengths [B],
+advantages ([B] or [B, T]), old_logp; optional behavior_logp (IS correction), ref_logp (KL),
+old_values and returns (PPO value loss).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from rlcode import losses
+from rlcode.models.attention import AttentionMask
+from rlcode.models.logprobs import token_logprobs
+from rlcode.models.transformer import logical_axes
+from rlcode.sharding import DEFAULT_RULES, Rules, named_shardings, put, use_mesh
+
+BATCH_KEYS = ("inputs", "targets", "positions", "mask", "kv_lengths", "advantages", "old_logp")
+OPTIONAL_BATCH_KEYS = ("behavior_logp", "ref_logp", "old_values", "returns")
+
+
+class TrainState(NamedTuple):
+    """step (int32 scalar), params (pure dict of arrays), opt_state (optax), rng (PRNG key)."""
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    rng: jax.Array
+
+
+def optim_config(**overrides: Any) -> ml_collections.ConfigDict:
+    """The `optim` config section: AdamW, linear warmup then cosine decay, global-norm clipping."""
+    cfg = ml_collections.ConfigDict(
+        {
+            "lr": 1e-5,
+            "warmup_steps": 10,
+            "total_steps": 1000,
+            "min_lr_ratio": 0.1,
+            "b1": 0.9,
+            "b2": 0.95,
+            "eps": 1e-8,
+            "weight_decay": 0.0,
+            "grad_clip": 1.0,
+        }
+    )
+    cfg.update(overrides)
+    return cfg
+
+
+def lr_schedule(cfg: Any) -> optax.Schedule:
+    """Linear warmup then cosine decay.
+
+    lr(s) = lr * (s + 1) / W for s < W (the first step already learns), then
+    lr * (r + (1 - r) * (1 + cos(pi * p)) / 2) with p = (s - W) / (S - W) clipped to [0, 1],
+    W = warmup_steps, S = total_steps, r = min_lr_ratio.
+    """
+    lr, warmup, total, ratio = cfg.lr, cfg.warmup_steps, cfg.total_steps, cfg.min_lr_ratio
+
+    def schedule(step):
+        s = jnp.asarray(step, jnp.float32)
+        warm = lr * (s + 1) / max(warmup, 1)
+        progress = jnp.clip((s - warmup) / max(total - warmup, 1), 0.0, 1.0)
+        cosine = lr * (ratio + (1 - ratio) * 0.5 * (1 + jnp.cos(jnp.pi * progress)))
+        return jnp.where(s < warmup, warm, cosine)
+
+    return schedule
+
+
+def make_optimizer(cfg: Any) -> optax.GradientTransformation:
+    """Global-norm clipping then AdamW; weight decay only on matrices (not norms or biases)."""
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip else optax.identity(),
+        optax.adamw(lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask),
+    )
+
+
+def batch_sharding(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> NamedSharding:
+    """Shard the leading (batch) axis over the mesh axes of the 'batch' rule."""
+    axes = tuple(a for a in dict(rules).get("batch", ()) if mesh.shape[a] > 1)
+    return NamedSharding(mesh, PartitionSpec(axes if axes else None))
+
+
+def init_train_state(
+    model: nnx.Module,
+    optimizer: optax.GradientTransformation,
+    seed: int,
+    mesh: Mesh | None = None,
+    rules: Rules = DEFAULT_RULES,
+) -> tuple[nnx.GraphDef, TrainState]:
+    """Split the model and build the train state, its parameters sharded by their logical axes."""
+    graphdef, state = nnx.split(model)
+    params = nnx.to_pure_dict(state)
+    if mesh is not None:
+        params = put(params, named_shardings(logical_axes(model), params, mesh, rules))
+    # jit propagates each parameter's sharding to its optimizer moments; what depends on no
+    # parameter (step counts) is replicated over the mesh.
+    opt_state = jax.jit(optimizer.init)(params)
+    step = jnp.zeros((), jnp.int32)
+    rng = jax.random.key(seed)
+    if mesh is not None:
+        replicated = NamedSharding(mesh, PartitionSpec())
+        on_mesh = lambda x: x if isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh else put(x, replicated)
+        opt_state = jax.tree.map(on_mesh, opt_state)
+        step, rng = put((step, rng), (replicated, replicated))
+    return graphdef, TrainState(step, params, opt_state, rng)
+
+
+def state_shardings(state: TrainState) -> Any:
+    return jax.tree.map(lambda x: x.sharding, state)
+
+
+def _forward_logprobs(graphdef, params, mb, sampling_options, need_entropy):
+    model = nnx.merge(graphdef, params)
+    out = model(mb["inputs"], mb["positions"], AttentionMask(kv_lengths=mb["kv_lengths"]))
+    w, layout = model.unembedding()
+    res = token_logprobs(out.hidden, w, mb["targets"], **sampling_options, unembed_layout=layout,
+                         return_entropy=need_entropy)
+    logp, entropy = res if need_entropy else (res, None)
+    return logp, entropy, out.values, out.aux
+
+
+def make_logprob_fn(
+    graphdef: nnx.GraphDef, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None
+) -> Callable:
+    """jit fn(params, batch) -> (logp [B, T], values [B, T] or None): old / reference log-probs.
+
+    The distribution options are those of `rlcode.models.logprobs.token_logprobs`.
+    """
+    options = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+
+    @jax.jit
+    def fn(params, batch):
+        logp, _, values, _ = _forward_logprobs(graphdef, params, batch, options, False)
+        return logp, values
+
+    return fn
+
+
+def make_train_step(
+    graphdef: nnx.GraphDef,
+    loss_config: Any,
+    optimizer: optax.GradientTransformation,
+    *,
+    microbatches: int = 1,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    schedule: optax.Schedule | None = None,
+    mesh: Mesh | None = None,
+    rules: Rules = DEFAULT_RULES,
+    shardings: Any = None,
+) -> Callable[[TrainState, dict[str, jax.Array]], tuple[TrainState, dict[str, jax.Array]]]:
+    """Build `train_step(state, batch) -> (state, metrics)`, jitted, donating the state.
+
+    Args:
+      graphdef: from `init_train_state`.
+      loss_config: a `loss` config section (`rlcode.losses.loss_config`).
+      optimizer: from `make_optimizer`.
+      microbatches: M; the batch is split into M strided micro-batches (rows i, i+M, ...) whose
+        gradients are accumulated exactly.
+      temperature, top_k, top_p: the policy's distribution for log-probs. The default trains
+        pi = softmax(logits / temperature), the sampler's temperature; a sampler's top-k/top-p
+        truncation then shows up as a behaviour/policy mismatch for the IS correction. Passing
+        the sampler's top_k/top_p instead trains the truncated distribution itself.
+      schedule: optional learning-rate schedule, reported as the `lr` metric.
+      mesh, rules, shardings: with a mesh, the step is jitted with `shardings` (the state's,
+        see `state_shardings`) and the batch sharded over the data axes.
+    """
+    losses.validate_loss_config(loss_config)
+    need_entropy = loss_config.entropy_coef > 0
+    options = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+
+    def terms_fn(params, mb):
+        logp, entropy, values, aux = _forward_logprobs(graphdef, params, mb, options, need_entropy)
+        num, den, metrics = losses.objective_terms(
+            loss_config, logp, mb["old_logp"], mb["advantages"], mb["mask"],
+            behavior_logp=mb.get("behavior_logp"), ref_logp=mb.get("ref_logp"), entropy=entropy,
+            values=values if "returns" in mb else None, old_values=mb.get("old_values"), returns=mb.get("returns"),
+        )
+        for name, value in aux.items():
+            # Auxiliary (MoE) losses are means over the micro-batch; weight them like the tokens.
+            num = num + value * den
+            metrics[f"aux_{name}"] = jax.lax.stop_gradient(value)
+        return num, den, metrics
+
+    def step_fn(state: TrainState, batch: dict[str, jax.Array]):
+        missing = [k for k in BATCH_KEYS if k not in batch]
+        if missing:
+            raise ValueError(f"train batch is missing {missing}")
+        B = batch["inputs"].shape[0]
+        if B % microbatches:
+            raise ValueError(f"batch size {B} is not divisible by microbatches={microbatches}")
+        mbs = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(B // microbatches, microbatches, *x.shape[1:]), 0, 1), batch)
+        loss, grads, metrics = losses.accumulate_gradients(terms_fn, state.params, mbs)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads), update_norm=optax.tree.norm(updates))
+        if schedule is not None:
+            metrics["lr"] = schedule(state.step)
+        rng, _ = jax.random.split(state.rng)
+        return TrainState(state.step + 1, params, opt_state, rng), metrics
+
+    if mesh is None:
+        return jax.jit(step_fn, donate_argnums=0)
+
+    data = batch_sharding(mesh, rules)
+    jitted = jax.jit(step_fn, in_shardings=(shardings, data), out_shardings=(shardings, None), donate_argnums=0)
+
+    def sharded_step(state, batch):
+        with use_mesh(mesh, rules):
+            return jitted(state, batch)
+
+    return sharded_step
