@@ -62,7 +62,7 @@ def sample_without_cache(graphdef, params, prompts, prompt_lengths, key, *, grou
         hidden = model(buf, mask=AttentionMask(kv_lengths=p + step)).hidden
         last = jnp.take_along_axis(hidden, (p + step - 1)[:, None, None], axis=1)[:, 0]
         keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(row_keys)
-        token, logp = sampling._sample_token(keys, model.logits(last), cfg)
+        token, logp = sampling.sample_token(keys, model.logits(last), cfg)
         buf = buf.at[jnp.arange(B), p + step].set(token)
         return buf, tokens.at[:, step].set(token), logps.at[:, step].set(logp)
 

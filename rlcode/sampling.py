@@ -58,7 +58,9 @@ class SampleOutput(NamedTuple):
     lengths: jax.Array
 
 
-def _sample_token(key_b, logits_bv, cfg: SamplingConfig):
+def sample_token(key_b: jax.Array, logits_bv: jax.Array, cfg: SamplingConfig) -> tuple[jax.Array, jax.Array]:
+    """Draw one token per row from process_logits(logits) with its own key; returns
+    (tokens [B] int32, log-probs [B] of the drawn tokens under that distribution)."""
     processed = process_logits(logits_bv, cfg.temperature, cfg.top_k, cfg.top_p)
     token = jax.vmap(lambda k, l: jax.random.categorical(k, l))(key_b, processed)
     logp = jnp.take_along_axis(jax.nn.log_softmax(processed, -1), token[:, None], -1)[:, 0]
@@ -106,7 +108,7 @@ def sample(
     def body(state):
         step, tokens, logps, done, logits, suffix = state
         keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(row_keys)
-        token, logp = _sample_token(keys, logits, cfg)
+        token, logp = sample_token(keys, logits, cfg)
         live = ~done
         tokens = tokens.at[:, step].set(jnp.where(live, token, cfg.pad_id))
         logps = logps.at[:, step].set(jnp.where(live, logp, 0.0))

@@ -14,7 +14,6 @@ Every kind implements the same two calls:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -22,29 +21,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rlcode.models.layers import RMSNorm, apply_rope, fan_in_init, make_param
+from rlcode.models.registry import Registry
 from rlcode.sharding import constrain
 
-ATTENTION: dict[str, type[nnx.Module]] = {}
-
-
-def register_attention(kind: str) -> Callable[[type], type]:
-    """Class decorator adding an attention implementation to the registry under `kind`."""
-
-    def add(cls: type) -> type:
-        if kind in ATTENTION:
-            raise ValueError(f"attention kind {kind!r} is already registered ({ATTENTION[kind].__name__})")
-        ATTENTION[kind] = cls
-        return cls
-
-    return add
-
-
-def make_attention(cfg: Any, *, rngs: nnx.Rngs) -> nnx.Module:
-    """Build the attention module named by `cfg.attention.kind`."""
-    kind = cfg.attention["kind"]
-    if kind not in ATTENTION:
-        raise ValueError(f"unknown attention.kind={kind!r}; registered: {sorted(ATTENTION)}")
-    return ATTENTION[kind](cfg, rngs=rngs)
+ATTENTION = Registry("attention")
+register_attention = ATTENTION.register
+make_attention = ATTENTION.build
 
 
 class KVCache(NamedTuple):

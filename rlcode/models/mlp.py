@@ -8,7 +8,6 @@ the model sums over layers.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -16,29 +15,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rlcode.models.layers import fan_in_init, make_param
+from rlcode.models.registry import Registry
 from rlcode.sharding import constrain
 
-MLP: dict[str, type[nnx.Module]] = {}
-
-
-def register_mlp(kind: str) -> Callable[[type], type]:
-    """Class decorator adding an MLP implementation to the registry under `kind`."""
-
-    def add(cls: type) -> type:
-        if kind in MLP:
-            raise ValueError(f"mlp kind {kind!r} is already registered ({MLP[kind].__name__})")
-        MLP[kind] = cls
-        return cls
-
-    return add
-
-
-def make_mlp(cfg: Any, *, rngs: nnx.Rngs) -> nnx.Module:
-    """Build the MLP module named by `cfg.mlp.kind`."""
-    kind = cfg.mlp["kind"]
-    if kind not in MLP:
-        raise ValueError(f"unknown mlp.kind={kind!r}; registered: {sorted(MLP)}")
-    return MLP[kind](cfg, rngs=rngs)
+MLP = Registry("mlp")
+register_mlp = MLP.register
+make_mlp = MLP.build
 
 
 @register_mlp("dense")
