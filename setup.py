@@ -18,6 +18,8 @@ INSTALL_REQUIRES = [
     "matplotlib>=3.9,<4",
     # Loads Hugging Face tokenizer.json files behind the project's tokenizer interface.
     "tokenizers>=0.20,<1",
+    # The agent's `lint` tool.
+    "pyflakes>=3,<4",
     # Triton ships Linux wheels only; elsewhere the Triton paths report themselves unavailable
     # and the XLA reference of every kernel is used.
     "triton>=3.4,<4; platform_system == 'Linux'",
