@@ -1,0 +1,248 @@
+"""Benchmark: sandbox pool vs a fresh process per execution, same isolation.
+
+    python -m experiments.bench_sandbox            # full run, writes results/bench_sandbox.json
+    python -m experiments.bench_sandbox --quick    # a few seconds per cell
+
+Programs: `/bin/true` (argv), `python -c "print(1)"`, and a small pytest file (two tests). Each is
+run by
+
+  pool            SandboxPool (fork-server workers, pytest pre-imported and warmed up for the
+                  in-place mode); Python programs exec the interpreter.
+  pool_lean       the same with `preload=()`: smaller workers fork faster (~2 ms less per
+                  execution here), at the price of a cold pytest in the in-place mode.
+  pool_inprocess  SandboxPool, Python code run in the isolated fork of the warm worker
+                  interpreter (pytest pre-imported): no interpreter start-up per execution.
+  fresh           a fresh `subprocess.run` per execution of `python -m rlcode.sandbox.worker
+                  --oneshot`, i.e. the *same* isolation code (same namespaces, filesystem view,
+                  rlimits, uid, cgroups) in a new interpreter, which then runs the program.
+  unshare_cli     a fresh `subprocess.run` of util-linux `unshare --user --map-root-user --pid
+                  --fork --kill-child --mount --mount-proc --net --ipc --uts` with the same rlimits
+                  (set in a preexec_fn), an empty environment and a temporary directory: fewer
+                  protections than the pool (no read-only root, private /dev and /tmp, uid drop or
+                  cgroups), so an optimistic baseline.
+
+at 1 and 2 concurrent clients (pool: as many workers), each client looping run-and-wait. The
+methods of one cell are measured in interleaved rounds so that load from elsewhere on the machine
+falls on all of them alike. Reported: executions/s (all clients together), median and p99
+latency of one execution as the client sees it, and the pool's speed-up over `fresh` and
+`unshare_cli`. Every execution's result is checked (status ok, expected output).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from absl import app, flags
+
+from rlcode.sandbox import Limits, SandboxPool
+from rlcode.sandbox import _wire
+from rlcode.sandbox import cgroups as cg_lib
+
+_QUICK = flags.DEFINE_bool("quick", False, "Few iterations per cell (seconds in total).")
+_WORKERS = flags.DEFINE_list("workers", ["1", "2"], "Concurrency levels (pool workers = client threads).")
+_CASES = flags.DEFINE_list("cases", ["true", "python", "pytest"], "Programs to run.")
+_ROUNDS = flags.DEFINE_integer("rounds", 4, "Interleaved rounds per cell.")
+_OUT = flags.DEFINE_string("out", None, "JSON output (default results/bench_sandbox.json, _quick with --quick).")
+
+LIMITS = Limits(cpu_seconds=20, wall_seconds=60, processes=64)
+TEST_FILE = "def test_add():\n    assert 1 + 1 == 2\n\n\ndef test_sort():\n    assert sorted([3, 1, 2]) == [1, 2, 3]\n"
+PYTEST_ARGS = ["-q", "-p", "no:cacheprovider", "test_small.py"]
+# executions per round and client, (full, quick)
+PER_ROUND = {
+    ("true", "pool"): (100, 10), ("true", "pool_lean"): (100, 10), ("true", "fresh"): (25, 3),
+    ("true", "unshare_cli"): (50, 5), ("python", "pool_lean"): (30, 4),
+    ("python", "pool"): (30, 4), ("python", "pool_inprocess"): (100, 10), ("python", "fresh"): (15, 2),
+    ("python", "unshare_cli"): (25, 3),
+    ("pytest", "pool"): (6, 1), ("pytest", "pool_inprocess"): (30, 4), ("pytest", "fresh"): (5, 1),
+    ("pytest", "unshare_cli"): (5, 1),
+}
+
+
+def _case(name: str, python: str) -> dict:
+    """argv / in-process code / files / check of one program."""
+    if name == "true":
+        return dict(argv=["/bin/true"], code=None, files=None, check=lambda out: out == b"")
+    if name == "python":
+        return dict(argv=[python, "-c", "print(1)"], code="print(1)", files=None, check=lambda out: out == b"1\n")
+    if name == "pytest":
+        code = f"import sys, pytest; sys.exit(pytest.main({PYTEST_ARGS!r}))"
+        return dict(argv=[python, "-m", "pytest", *PYTEST_ARGS], code=code, files={"test_small.py": TEST_FILE},
+                    check=lambda out: b"2 passed" in out)
+    raise ValueError(name)
+
+
+class _Fresh:
+    """One client's fresh-process runner: the pool's isolation code in a new interpreter."""
+
+    def __init__(self, plan: dict, index: int, python: str, package_root: str):
+        self.python, self.package_root = python, package_root
+        self.cgroup = cg_lib.SlotCgroup.create(f"rlcode-bench-fresh-{os.getpid()}-{index}", cg_lib.discover())
+        self.cfg = {"slot": index, "uid": 2_100_000_000 + 1000 + index, "preload": [],
+                    "cgroup_dirs": [d for _, d in self.cgroup.dirs], "limits": LIMITS.to_dict(), "python": python}
+        self.plan = dict(plan, shared_ns=0)  # nothing survives between fresh processes
+
+    def run(self, case: dict) -> bytes:
+        req = {"argv": case["argv"], "files": case["files"], "timeout": 60.0, "limits": LIMITS.to_dict()}
+        proc = subprocess.run([self.python, "-s", "-m", "rlcode.sandbox.worker", "--oneshot"],
+                              input=_wire.dumps((self.cfg, self.plan, req)), capture_output=True,
+                              cwd=self.package_root, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}, check=True)
+        res = _wire.loads(proc.stdout[8:])
+        if res["status"] != "ok":
+            raise RuntimeError(f"fresh execution failed: {res['status']} {res['info']} {res['stderr'][-500:]!r}")
+        return res["stdout"]
+
+    def close(self):
+        self.cgroup.remove()
+
+
+def _unshare_cli_run(case: dict) -> bytes:
+    def limits():
+        for res, value in ((resource.RLIMIT_CPU, int(LIMITS.cpu_seconds)), (resource.RLIMIT_AS, LIMITS.address_space_bytes),
+                           (resource.RLIMIT_FSIZE, LIMITS.file_size_bytes), (resource.RLIMIT_NOFILE, LIMITS.open_files),
+                           (resource.RLIMIT_CORE, 0)):
+            resource.setrlimit(res, (value, value))
+
+    tmp = tempfile.mkdtemp(prefix="bench-unshare-")
+    try:
+        for rel, content in (case["files"] or {}).items():
+            with open(os.path.join(tmp, rel), "w") as f:
+                f.write(content)
+        cmd = ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--kill-child", "--mount",
+               "--mount-proc", "--net", "--ipc", "--uts", "--", *case["argv"]]
+        env = {"PATH": f"{os.path.dirname(sys.executable)}:/usr/bin:/bin", "HOME": tmp, "LANG": "C.UTF-8"}
+        proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, preexec_fn=limits, timeout=60)
+        if proc.returncode != 0:
+            raise RuntimeError(f"unshare execution failed ({proc.returncode}): {proc.stderr[-500:]!r}")
+        return proc.stdout
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _drive(fn, clients: int, per_client: int, check) -> tuple[float, list[float]]:
+    """Run fn() per_client times in each of `clients` threads; (elapsed seconds, latencies)."""
+    lat: list[float] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def client(i: int):
+        mine = []
+        try:
+            for _ in range(per_client):
+                t0 = time.perf_counter()
+                out = fn(i)
+                mine.append(time.perf_counter() - t0)
+                if not check(out):
+                    raise RuntimeError(f"unexpected output {out[-300:]!r}")
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+        with lock:
+            lat.extend(mine)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return elapsed, lat
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def bench_cell(case_name: str, clients: int, pool: SandboxPool, lean: SandboxPool, fresh: list[_Fresh],
+               quick: bool) -> list[dict]:
+    case = _case(case_name, pool.python)
+    methods = {
+        "pool": lambda i: pool.run(case["argv"], files=case["files"]).stdout,
+        "fresh": lambda i: fresh[i].run(case),
+    }
+    if (case_name, "pool_lean") in PER_ROUND:
+        methods["pool_lean"] = lambda i: lean.run(case["argv"], files=case["files"]).stdout
+    if case_name != "true":
+        methods["pool_inprocess"] = lambda i: pool.run_python(case["code"], files=case["files"], inprocess=True).stdout
+    if shutil.which("unshare"):
+        methods["unshare_cli"] = lambda i: _unshare_cli_run(case)
+    stats = {m: {"elapsed": 0.0, "lat": []} for m in methods}
+    for m, fn in methods.items():  # warm-up (page cache, worker first-run effects)
+        _drive(fn, clients, 2, case["check"])
+    for _ in range(_ROUNDS.value if not quick else min(_ROUNDS.value, 2)):
+        for m, fn in methods.items():
+            n = PER_ROUND[(case_name, m)][1 if quick else 0]
+            elapsed, lat = _drive(fn, clients, n, case["check"])
+            stats[m]["elapsed"] += elapsed
+            stats[m]["lat"] += lat
+    rows = []
+    for m, s in stats.items():
+        rows.append(dict(case=case_name, method=m, workers=clients, n=len(s["lat"]),
+                         execs_per_s=len(s["lat"]) / s["elapsed"], p50_ms=1e3 * statistics.median(s["lat"]),
+                         p99_ms=1e3 * _pct(s["lat"], 0.99)))
+    by = {r["method"]: r for r in rows}
+    for r in rows:
+        for base in ("fresh", "unshare_cli"):
+            if base in by:
+                r[f"speedup_vs_{base}"] = r["execs_per_s"] / by[base]["execs_per_s"]
+    return rows
+
+
+def main(argv):
+    del argv
+    quick = _QUICK.value
+    out_path = _OUT.value or os.path.join("results", "bench_sandbox_quick.json" if quick else "bench_sandbox.json")
+    workers = [int(w) for w in _WORKERS.value]
+    import rlcode
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(rlcode.__file__)))
+    rows, guarantees = [], None
+    for k in workers:
+        with SandboxPool(k, LIMITS) as pool, SandboxPool(k, LIMITS, preload=(), uid_base=2_100_000_500) as lean:
+            guarantees = pool.guarantees()
+            plan = pool._info["plan"]
+            fresh = [_Fresh(plan, i, pool.python, package_root) for i in range(k)]
+            try:
+                for case_name in _CASES.value:
+                    cell = bench_cell(case_name, k, pool, lean, fresh, quick)
+                    rows += cell
+                    for r in cell:
+                        print(f"{r['case']:7s} {r['method']:15s} workers={k} n={r['n']:4d} "
+                              f"{r['execs_per_s']:8.1f}/s p50 {r['p50_ms']:7.1f} ms p99 {r['p99_ms']:7.1f} ms", flush=True)
+            finally:
+                for f in fresh:
+                    f.close()
+    header = (f"{'program':8s} {'method':15s} {'workers':>7s} {'n':>5s} {'exec/s':>8s} {'p50 ms':>8s} "
+              f"{'p99 ms':>8s} {'x fresh':>8s} {'x unshare':>9s}")
+    print("\n" + header + "\n" + "-" * len(header))
+    for r in rows:
+        print(f"{r['case']:8s} {r['method']:15s} {r['workers']:7d} {r['n']:5d} {r['execs_per_s']:8.1f} "
+              f"{r['p50_ms']:8.1f} {r['p99_ms']:8.1f} {r.get('speedup_vs_fresh', float('nan')):8.2f} "
+              f"{r.get('speedup_vs_unshare_cli', float('nan')):9.2f}")
+    record = dict(
+        rows=rows, quick=quick, rounds=_ROUNDS.value, limits=LIMITS.to_dict(), guarantees=guarantees,
+        machine=dict(cpus=os.cpu_count(), kernel=platform.release(), python=platform.python_version(),
+                     loadavg_at_end=os.getloadavg()),
+        notes=("speedup_vs_X = executions/s of this method / executions/s of X in the same cell. "
+               "'pool' execs the Python interpreter for Python programs, so its advantage there is "
+               "bounded by interpreter start-up; 'pool_inprocess' runs the code in the warm worker."),
+    )
+    os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
+    with open(out_path, "w") as f:
+        json.dump(record, f, indent=1)
+    print(f"\nwrote {out_path}")
+
+
+if __name__ == "__main__":
+    app.run(main)
