@@ -1,0 +1,856 @@
+"""Grading an agent's working copy with the held-out tests, demanding positive evidence.
+
+``grade(task, workdir, executor, timeout=...)`` (REFERENCE.md §11) does three things:
+
+1. **Diff** the agent's final copy against ``task.files`` (`diff_workdir`): changed, added and
+   deleted files, with two flags. ``tests_edited``: a visible test file changed or deleted, or any
+   file added, changed or deleted under a test directory (the directories of the visible tests and
+   ``heldout_tests/``). ``protected_file_changed``: a file that configures Python or pytest
+   (``conftest.py`` anywhere, ``pytest.ini``, ``setup.cfg``, ``tox.ini``, ``pyproject.toml``,
+   ``sitecustomize.py``, ``usercustomize.py``, any ``*.pth``) added, changed or deleted.
+   Bytecode (``__pycache__/``, ``*.pyc``) is neither diffed nor graded. Symlinks, hard-linked
+   files, special files and files over ``max_file_bytes`` are never read (reading through a
+   planted symlink would copy a host file into the grading copy); they are listed in
+   ``WorkdirDiff.ignored`` and an original file replaced by one counts as deleted.
+
+2. **Build a pristine grading copy** in a fresh directory (`build_grading_copy`): the task's
+   original files, with the agent's version of every *source* file (changed, added, deleted);
+   test files and protected files stay original or absent whatever the agent did; then the
+   held-out tests (`repo_tasks.write_heldout_tests`). The agent's copy is never graded in place.
+
+3. **Run the held-out tests** through the executor with ``python -I -B -c <runner>``. The runner
+   is this module's `RUNNER` source, passed on the command line; its ini file lives next to the
+   copy, not in it. In order, before any candidate code can run (``-I``: no environment
+   variables, no user site, the working directory not on ``sys.path``), it
+
+   a. reads the per-run nonce (``secrets.token_hex``) from stdin, then points stdin at /dev/null;
+   b. duplicates the original stdout descriptor as its private report channel and points
+      descriptor 1 at stderr (pytest's terminal output and the candidate's prints go to stderr);
+   c. installs an audit hook (``sys.addaudithook``, which cannot be removed) and imports pytest
+      from the installation, then appends the copy to the *end* of ``sys.path`` (a candidate
+      file named like a standard or installed module cannot shadow it);
+   d. writes ``<nonce> READY`` and runs ``pytest.main`` with ``PYTEST_DISABLE_PLUGIN_AUTOLOAD=1``
+      (other ``PYTEST_*`` variables removed), ``-c <grader ini> -o addopts= --noconftest
+      -p no:cacheprovider --rootdir <copy>`` and a reporter plugin object, so no candidate ini,
+      conftest or plugin configures pytest;
+   e. writes ``<nonce> PASSED|FAILED|SKIPPED <nodeid>`` when each test finishes (failed if any
+      phase failed, skipped if a phase skipped, passed only if the call passed; an xfail is not a
+      pass), ``<nonce> SKIPPED <collector id>`` for a skipped module, and ``<nonce> EXIT <code>``
+      when ``pytest.main`` returns, then leaves with ``os._exit(code)`` (no candidate atexit
+      handler or finaliser can change the exit code after the report);
+   f. deletes the held-out files from disk once collection has finished and replaces their
+      ``linecache`` entries by traps, so a test-time read finds nothing, whether it comes from
+      this process (an ``open``, or ``inspect``/``traceback`` looking up the calling test's
+      source) or from a child process. pytest's failure reports then show the assertion message
+      without the source line.
+
+   The audit hook reports ``<nonce> READ <path>`` (flag ``read_heldout``) for an ``open`` of a
+   held-out file or of the held-out directory, an ``os.link`` / ``os.symlink`` / ``os.rename``
+   naming one, or a source lookup that reaches a trap of step f, when it happens during the call
+   phase of a test (the innermost wrapper of ``pytest_runtest_call``: the test body and the code
+   it calls), whoever does it, or at any time while candidate code (a file of the copy outside
+   ``heldout_tests/``) is on the calling thread's stack. Measured with pytest 9: pytest itself
+   opens a held-out file only while importing it (the assertion rewriter) and when formatting a
+   failure or a warning (in ``pytest_runtest_makereport`` and the warnings wrapper, outside the
+   call phase), so nothing of pytest's needs excluding inside the call phase, and pytest's own
+   opens outside it are not flagged (tests: failing runs and warnings raise no flag). The hook reports
+   ``<nonce> TAMPER <what>`` (flag ``tampered``) for the primitives a search of the interpreter's
+   memory or a rewrite of the running test needs (``gc.get_objects``/``get_referrers``/
+   ``get_referents``, ``ctypes`` memory reads, ``sys.settrace``/``setprofile``, a new audit hook,
+   opening ``/proc/*/mem``) when made in the same candidate-attributable situations. The reporter
+   also checks, after every test phase and at the end, that no name of ``builtins``, ``pytest``
+   and the pytest/pluggy modules and classes that run a test and build its report was rebound or
+   deleted, that the held-out test modules' globals are unchanged (a candidate-defined global
+   ``abs`` would shadow the builtin) and that every collected test function still has its code
+   (``TAMPER``). It reports ``<nonce> FAKE <where>`` when the captured output of a collector or
+   a test contains the word ``PASSED``, and ``<nonce> SYSEXIT <where>`` when a ``SystemExit``
+   ended a test or collection (pytest 9 turns one raised while importing a test module into an
+   internal error).
+
+The grader accepts only positive evidence. It collects the expected test ids itself from the
+held-out files (`expected_test_ids`, with `ast`: ``test*`` functions and ``test*`` methods of
+``Test*`` classes without ``__init__``; a parametrised test passes when every reported case
+passed). A test passed iff it was reported ``PASSED`` with the run's nonce and nothing else;
+``all_passed`` needs every expected test passed, ``EXIT 0`` and process return code 0. Lines
+without the nonce are ignored; one containing ``PASSED`` flags ``fake_output``.
+
+Statuses: ``ok`` (the runner reported ``EXIT`` and the process returned that code);
+``timeout`` (flag ``timeout``) and ``crash`` (flag ``crash``: killed for memory or output, died,
+or ended without ``EXIT`` or with another return code) are the candidate's fault and score 0;
+``infra`` is not scored (mask it): the executor raised or said ``infra``, or the runner never
+reported ``READY`` -- nothing of the candidate runs before that line, so a candidate cannot make
+its failure look like an infrastructure failure. Flag ``early_exit``: the process returned 0
+without a complete report (``os._exit(0)``; ``EXIT 0`` with tests missing) or a ``SystemExit``
+was reported. Flag ``skipped``: any expected test was skipped (not only all of them).
+``read_heldout`` and ``tampered`` void the run: no test counts as passed.
+
+What one-process grading cannot prevent. The candidate's code runs in the interpreter that runs
+pytest and writes the report, so a candidate that deliberately attacks the grader from inside
+can win. It can search the interpreter's memory for the nonce: through ``gc`` or
+``/proc/self/mem`` or ``ctypes`` string reads the audit hook sees it (``tampered``), but walking
+the stack with ``sys._getframe`` (which pytest itself uses everywhere, so it cannot be flagged)
+reaches pytest's session, the reporter and the runner's globals, nonce and report descriptor
+included. It can read the expected values from the constants of the test functions' code
+objects, reachable the same way, without opening any file; patch a pytest function, let the
+test run and restore the function before the next check; or read a held-out file while the test
+module is being imported, from a thread or child process running code compiled under a fake
+file name. The checks above catch the blunt forms of these; none of them is a proof. What would
+close it: keep every secret and every verdict out of the candidate's address space. Run the
+candidate's code in a separate sandboxed process that only receives arguments and returns
+results by value (the function under test called through a pipe, with JSON in and out and a hard
+deadline), evaluate the held-out assertions in a grader process that never imports candidate
+code, and never put the test file in the candidate's filesystem view.
+
+The held-out tests are also only as strong as their assertions: ``assert f(x) == 5`` is passed
+by an object whose ``__eq__`` always returns True, and ``abs(f(x) - y) < 1e-9`` by one whose
+subtraction and ``abs`` return 0 (tests/rlcode/envs/test_grading.py measures which task
+families are affected).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import os
+import re
+import secrets
+import shutil
+import stat
+import sys
+import tempfile
+from collections.abc import Mapping
+from typing import Any
+
+from rlcode.envs import repo_tasks, tools
+
+STATUSES = ("ok", "timeout", "crash", "infra")
+FLAGS = ("crash", "early_exit", "fake_output", "protected_file_changed", "read_heldout", "skipped",
+         "tampered", "tests_edited", "timeout")
+# Flags that void the evidence of a run: with them no test counts as passed.
+VOIDING_FLAGS = ("read_heldout", "tampered")
+
+PROTECTED_NAMES = frozenset({"conftest.py", "pytest.ini", "setup.cfg", "tox.ini", "pyproject.toml",
+                             "sitecustomize.py", "usercustomize.py"})
+PROTECTED_SUFFIXES = (".pth",)
+BYTECODE_DIRS = frozenset({"__pycache__"})
+BYTECODE_SUFFIXES = (".pyc", ".pyo")
+
+GRADER_INI = "[pytest]\npython_classes = Test\npython_functions = test\n"
+REPO_DIR = "repo"  # the grading copy, inside the executor's working directory
+INI_NAME = "grader.ini"  # next to the copy, outside it
+DETAILS_CHARS = 4000
+_PASSED_WORD = re.compile(r"\bPASSED\b")
+
+
+# ----------------------------------------------------------------------------------------------
+# The runner (executed as ``python -I -B -c RUNNER <ini> <copy> <heldout dir> <test paths...>``).
+
+RUNNER = r'''
+import os, sys
+nonce = sys.stdin.readline().strip()
+_null = os.open(os.devnull, os.O_RDONLY)
+os.dup2(_null, 0)
+os.close(_null)
+report_fd = os.dup(1)
+os.dup2(2, 1)
+import re, threading, linecache
+
+ini, src, held_dir, *paths = sys.argv[1:]
+ini = os.path.abspath(ini)
+os.chdir(src)
+src = os.getcwd()
+held_dir = os.path.join(src, held_dir)
+held_files = [os.path.join(src, p) for p in paths]
+HELD = frozenset(held_files) | {held_dir}
+HELD_PREFIX = held_dir + os.sep
+CANDIDATE_PREFIX = src + os.sep
+PASSED_WORD = re.compile(r"\bPASSED\b")
+WATCHED = frozenset({"gc.get_objects", "gc.get_referrers", "gc.get_referents", "ctypes.string_at",
+                     "ctypes.wstring_at", "ctypes.cdata", "sys.settrace", "sys.setprofile",
+                     "sys.addaudithook"})
+MOVES = frozenset({"os.link", "os.symlink", "os.rename"})
+MEM = re.compile(r"^/proc/[^/]+(/task/[^/]+)?/mem$")
+local = threading.local()
+phase = {"call": False}
+sent = set()
+
+
+def emit(kind, text=""):
+    text = str(text).replace("\r", "\\r").replace("\n", "\\n")
+    data = ("\n%s %s %s\n" % (nonce, kind, text)).encode("utf-8", "backslashreplace")
+    while data:
+        data = data[os.write(report_fd, data):]
+
+
+def emit_once(kind, text):
+    if (kind, text) not in sent:
+        sent.add((kind, text))
+        emit(kind, text)
+
+
+def candidate_on_stack():
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if name.startswith(CANDIDATE_PREFIX) and not name.startswith(HELD_PREFIX):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def source_trap(path):
+    """A lazy linecache entry for a deleted held-out file: a lookup of its source (inspect,
+    traceback, linecache) finds nothing and is reported like an open."""
+    def trap():
+        if phase["call"] or candidate_on_stack():
+            emit_once("READ", path)
+        return None
+    return trap
+
+
+def resolve(path):
+    if isinstance(path, bytes):
+        path = os.fsdecode(path)
+    if not isinstance(path, str):
+        return None
+    try:
+        return os.path.realpath(path)
+    except (OSError, ValueError):
+        return None
+
+
+def is_held(path):
+    return path is not None and (path in HELD or path.startswith(HELD_PREFIX))
+
+
+def audit(event, args):
+    if event != "open" and event not in MOVES and event not in WATCHED:
+        return
+    if getattr(local, "busy", False):
+        return
+    local.busy = True
+    try:
+        if event in WATCHED:
+            if phase["call"] or candidate_on_stack():
+                emit_once("TAMPER", event)
+            return
+        targets = [resolve(args[0])] if event == "open" else [resolve(a) for a in args[:2]]
+        for path in targets:
+            if is_held(path):
+                if phase["call"] or candidate_on_stack():
+                    emit_once("READ", path)
+            elif path is not None and event == "open" and MEM.match(path):
+                if phase["call"] or candidate_on_stack():
+                    emit_once("TAMPER", "open " + path)
+    finally:
+        local.busy = False
+
+
+sys.addaudithook(audit)
+for key in [k for k in os.environ if k.startswith("PYTEST_")]:
+    del os.environ[key]
+os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+import builtins, importlib
+import pytest, pluggy
+
+
+def watched_objects():
+    """(label, namespace, shadows): `shadows(name)` says whether a name added to the namespace
+    would hide another binding (None: additions do not matter)."""
+    out = [("builtins", builtins.__dict__, None), ("pytest", pytest.__dict__, None)]
+    for name in ("_pytest.runner", "_pytest.python", "_pytest.reports", "_pytest.outcomes",
+                 "_pytest.main", "_pytest.nodes", "_pytest.skipping", "_pytest.raises",
+                 "_pytest.python_api", "_pytest.fixtures", "pluggy._callers", "pluggy._hooks",
+                 "pluggy._manager", "pluggy._result"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        out.append((name, module.__dict__, None))
+        for attr in ("Function", "Module", "TestReport", "BaseReport", "CollectReport", "CallInfo",
+                     "Session", "Node", "Item", "HookCaller", "PluginManager", "Result",
+                     "RaisesExc", "RaisesContext", "FixtureRequest", "HookImpl"):
+            cls = module.__dict__.get(attr)
+            if isinstance(cls, type) and cls.__module__ == name:
+                out.append((name + "." + attr, cls.__dict__, inherited(cls)))
+    return out
+
+
+def inherited(cls):
+    return lambda key: any(key in base.__dict__ for base in cls.__mro__[1:])
+
+
+def is_builtin(key):
+    return key in builtins.__dict__
+
+
+def snapshot(namespaces):
+    return [(label, ns, shadows, dict(ns)) for label, ns, shadows in namespaces]
+
+
+def changed(snap, ignore=("__warningregistry__",)):
+    for label, ns, shadows, before in snap:
+        for key, value in before.items():
+            if key not in ignore and (key not in ns or ns[key] is not value):
+                return "%s.%s" % (label, key)
+        if shadows is not None and len(ns) > len(before):  # no removals (checked above)
+            for key in list(ns):
+                if key not in before and key not in ignore and shadows(key):
+                    return "%s.%s (added)" % (label, key)
+    return None
+
+
+class Reporter:
+    def __init__(self):
+        self.phases = {}
+        self.snap = []
+        self.functions = {}
+
+    def check(self):
+        what = changed(self.snap)
+        if what is None:
+            for nodeid, (item, obj, code) in self.functions.items():
+                now = getattr(item, "obj", None)
+                if now is not obj or getattr(now, "__code__", None) is not code:
+                    what = "test function " + nodeid
+                    break
+        if what is not None:
+            emit_once("TAMPER", what)
+
+    @pytest.hookimpl(hookwrapper=True, tryfirst=True)
+    def pytest_collection(self, session):
+        self.snap = snapshot(watched_objects() + [("Reporter", Reporter.__dict__, inherited(Reporter))])
+        yield
+
+    def pytest_collection_finish(self, session):
+        modules = {}
+        for item in session.items:
+            module = getattr(item, "module", None)
+            if module is not None:
+                modules[id(module)] = module
+            obj = getattr(item, "obj", None)
+            self.functions[item.nodeid] = (item, obj, getattr(obj, "__code__", None))
+        self.snap += snapshot([("test module " + m.__name__, m.__dict__, is_builtin) for m in modules.values()])
+        for path in held_files:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            for key in {path, os.path.realpath(path)}:
+                linecache.cache[key] = (source_trap(path),)
+        self.check()
+
+    @pytest.hookimpl(hookwrapper=True, trylast=True)
+    def pytest_runtest_call(self, item):
+        phase["call"] = True
+        try:
+            yield
+        finally:
+            phase["call"] = False
+
+    def scan(self, report):
+        for _, content in getattr(report, "sections", ()):
+            if PASSED_WORD.search(content):
+                emit_once("FAKE", report.nodeid or ".")
+
+    def pytest_collectreport(self, report):
+        self.scan(report)
+        if report.skipped:
+            emit("SKIPPED", report.nodeid)
+
+    def pytest_runtest_logreport(self, report):
+        self.check()
+        self.scan(report)
+        seen = self.phases.setdefault(report.nodeid, set())
+        if report.failed:
+            seen.add("failed")
+        elif report.skipped:
+            seen.add("skipped")
+        elif report.when == "call" and report.passed and not hasattr(report, "wasxfail"):
+            seen.add("passed")
+
+    def pytest_runtest_logfinish(self, nodeid, location):
+        seen = self.phases.pop(nodeid, set())
+        if "failed" in seen:
+            kind = "FAILED"
+        elif "skipped" in seen:
+            kind = "SKIPPED"
+        elif "passed" in seen:
+            kind = "PASSED"
+        else:
+            kind = "FAILED"
+        emit(kind, nodeid)
+
+    def pytest_exception_interact(self, node, call, report):
+        if call.excinfo is not None and call.excinfo.errisinstance(SystemExit):
+            emit_once("SYSEXIT", node.nodeid or ".")
+
+    def pytest_internalerror(self, excrepr, excinfo):
+        if excinfo is not None and excinfo.errisinstance(SystemExit):
+            emit_once("SYSEXIT", "internal")
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(self, session, exitstatus):
+        self.check()
+
+
+reporter = Reporter()
+sys.path.append(src)
+emit("READY")
+code = pytest.main(["-q", "--tb=short", "--color=no", "-p", "no:cacheprovider", "--noconftest",
+                    "-c", ini, "-o", "addopts=", "--rootdir", src, "--import-mode=prepend",
+                    *paths], plugins=[reporter])
+code = int(code)
+emit("EXIT", code)
+for stream in (sys.stdout, sys.stderr):
+    try:
+        stream.flush()
+    except Exception:
+        pass
+os._exit(code)
+'''
+
+
+# ----------------------------------------------------------------------------------------------
+# Expected test ids.
+
+def _test_ids_of(path: str, source: str) -> list[str]:
+    tree = ast.parse(source, filename=path)
+    functions = (ast.FunctionDef, ast.AsyncFunctionDef)
+    ids = []
+    for node in tree.body:
+        if isinstance(node, functions) and node.name.startswith("test"):
+            ids.append(f"{path}::{node.name}")
+        elif isinstance(node, ast.ClassDef) and node.name.startswith("Test"):
+            methods = [n for n in node.body if isinstance(n, functions)]
+            if any(m.name == "__init__" for m in methods):
+                continue  # pytest does not collect a test class with a constructor
+            ids += [f"{path}::{node.name}::{m.name}" for m in methods if m.name.startswith("test")]
+    return ids
+
+
+def expected_test_ids(task: repo_tasks.RepoTask) -> tuple[str, ...]:
+    """The pytest node ids of the held-out tests (relative to the copy's root), from their source.
+
+    Collected with `ast`, not from any run: module-level functions named ``test*`` and methods
+    named ``test*`` of classes named ``Test*`` without ``__init__`` (the grader's ini sets these
+    conventions). Raises ValueError if the task has no held-out test."""
+    ids = []
+    for path in sorted(task.heldout_tests):
+        ids += _test_ids_of(path, task.heldout_tests[path])
+    if not ids:
+        raise ValueError(f"task {task.task_id} has no held-out tests")
+    return tuple(ids)
+
+
+# ----------------------------------------------------------------------------------------------
+# Diff of the agent's copy.
+
+@dataclasses.dataclass(frozen=True)
+class WorkdirDiff:
+    """The agent's copy against ``task.files``. Paths are relative, with ``/``.
+
+    changed: original files whose bytes differ. added: files not in the task. deleted: original
+    files that are no longer a readable regular file. ignored: (path, reason) of what was not
+    read (symlink, hard link, special file, too large, too many files).
+    """
+
+    changed: tuple[str, ...]
+    added: tuple[str, ...]
+    deleted: tuple[str, ...]
+    ignored: tuple[tuple[str, str], ...]
+    tests_edited: bool
+    protected_file_changed: bool
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        return tuple(name for name in ("protected_file_changed", "tests_edited") if getattr(self, name))
+
+
+def _test_dirs(task: repo_tasks.RepoTask) -> tuple[str, ...]:
+    dirs = {os.path.dirname(p) for p in task.visible_test_files} | {repo_tasks.HELDOUT_DIR}
+    return tuple(sorted(d for d in dirs if d))
+
+
+def is_test_path(task: repo_tasks.RepoTask, rel: str) -> bool:
+    """A visible test file, or anything under a test directory (or the directory itself)."""
+    if rel in task.visible_test_files:
+        return True
+    return any(rel == d or rel.startswith(d + "/") for d in _test_dirs(task))
+
+
+def is_protected_path(rel: str) -> bool:
+    """A file that configures Python or pytest when present (wherever it is)."""
+    name = rel.rsplit("/", 1)[-1]
+    return name in PROTECTED_NAMES or name.endswith(PROTECTED_SUFFIXES)
+
+
+def _is_bytecode(name: str) -> bool:
+    return name.endswith(BYTECODE_SUFFIXES)
+
+
+def read_workdir(workdir: str | os.PathLike, *, max_file_bytes: int = 1_000_000,
+                 max_files: int = 2000) -> tuple[dict[str, bytes], list[tuple[str, str]]]:
+    """The regular files of `workdir` (relative path -> bytes) and what was not read.
+
+    Never follows a symlink (a directory symlink is not entered, a file symlink not read); files
+    are opened with ``O_NOFOLLOW`` and checked with ``fstat`` after opening."""
+    root = os.fspath(workdir)
+    if not os.path.isdir(root):
+        raise FileNotFoundError(f"the working copy {root} is not a directory")
+    files: dict[str, bytes] = {}
+    ignored: list[tuple[str, str]] = []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        rel_dir = os.path.relpath(dirpath, root)
+        rel_dir = "" if rel_dir == "." else rel_dir.replace(os.sep, "/") + "/"
+        keep = []
+        for d in sorted(dirnames):
+            if d in BYTECODE_DIRS:
+                continue
+            if os.path.islink(os.path.join(dirpath, d)):
+                ignored.append((rel_dir + d, "symlink"))
+            else:
+                keep.append(d)
+        dirnames[:] = keep
+        for name in sorted(filenames):
+            rel = rel_dir + name
+            if _is_bytecode(name):
+                continue
+            if len(files) >= max_files:
+                ignored.append((rel, "too many files"))
+                continue
+            reason = _read_one(os.path.join(dirpath, name), max_file_bytes, files, rel)
+            if reason is not None:
+                ignored.append((rel, reason))
+    return files, ignored
+
+
+def _read_one(path: str, limit: int, files: dict[str, bytes], rel: str) -> str | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+        return "symlink" if os.path.islink(path) else f"unreadable: {e.strerror}"
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return "not a regular file"
+        if st.st_nlink > 1:
+            return "hard link"
+        if st.st_size > limit:
+            return "too large"
+        chunks, size = [], 0
+        while size <= limit:
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > limit:
+            return "too large"
+        files[rel] = b"".join(chunks)
+        return None
+    finally:
+        os.close(fd)
+
+
+def diff_files(task: repo_tasks.RepoTask, agent_files: Mapping[str, bytes],
+               ignored: list[tuple[str, str]] | tuple = ()) -> WorkdirDiff:
+    """`WorkdirDiff` of the agent's files (relative path -> bytes) against ``task.files``."""
+    original = {p: t.encode("utf-8") for p, t in task.files.items()}
+    changed = sorted(p for p in original if p in agent_files and agent_files[p] != original[p])
+    deleted = sorted(p for p in original if p not in agent_files)
+    added = sorted(p for p in agent_files if p not in original)
+    touched = changed + deleted + added
+    tests_edited = any(is_test_path(task, p) for p in touched)
+    protected = any(is_protected_path(p) for p in touched)
+    return WorkdirDiff(tuple(changed), tuple(added), tuple(deleted), tuple(sorted(ignored)),
+                       tests_edited, protected)
+
+
+def diff_workdir(task: repo_tasks.RepoTask, workdir: str | os.PathLike, **limits) -> WorkdirDiff:
+    """Diff the agent's copy `workdir` against ``task.files`` (see `WorkdirDiff`)."""
+    files, ignored = read_workdir(workdir, **limits)
+    return diff_files(task, files, ignored)
+
+
+# ----------------------------------------------------------------------------------------------
+# The grading copy.
+
+def _write(root: str, rel: str, data: bytes) -> bool:
+    """Write one file under `root`; False when the path collides with another file or directory."""
+    path = os.path.join(root, *rel.split("/"))
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "xb") as f:
+            f.write(data)
+    except (FileExistsError, NotADirectoryError, IsADirectoryError):
+        return False
+    return True
+
+
+def grading_files(task: repo_tasks.RepoTask, agent_files: Mapping[str, bytes]) -> dict[str, bytes]:
+    """The files of the grading copy before the held-out tests are added: every original test and
+    protected file as in the task, the agent's version of every other file (deleted ones absent,
+    added ones present), and nothing the agent put under a test directory or in a protected file."""
+    out: dict[str, bytes] = {}
+    for rel, text in task.files.items():
+        if is_test_path(task, rel) or is_protected_path(rel):
+            out[rel] = text.encode("utf-8")
+        elif rel in agent_files:
+            out[rel] = agent_files[rel]
+    for rel, data in agent_files.items():
+        if rel not in task.files and not is_test_path(task, rel) and not is_protected_path(rel):
+            out[rel] = data
+    return out
+
+
+def build_grading_copy(task: repo_tasks.RepoTask, agent_files: Mapping[str, bytes],
+                       dest: str | os.PathLike) -> list[str]:
+    """Write the grading copy into the new directory `dest` (`grading_files`, then the held-out
+    tests); returns the held-out test paths. Originals and held-out tests are written first; an
+    agent file whose path collides with one of them is skipped."""
+    dest = os.fspath(dest)
+    os.makedirs(dest)
+    files = grading_files(task, agent_files)
+    fixed = {rel for rel in files if rel in task.files and (is_test_path(task, rel) or is_protected_path(rel))}
+    for rel in sorted(fixed):
+        _write(dest, rel, files[rel])
+    paths = repo_tasks.write_heldout_tests(task, dest)
+    for rel in sorted(set(files) - fixed):
+        if rel not in task.heldout_tests:
+            _write(dest, rel, files[rel])
+    return paths
+
+
+# ----------------------------------------------------------------------------------------------
+# Interpreting a run.
+
+@dataclasses.dataclass(frozen=True)
+class GradeResult:
+    """The verdict on one working copy.
+
+    expected: the held-out test ids (`expected_test_ids`). passed: those reported passed with the
+    run's nonce (empty unless status is "ok" and no voiding flag was raised). failed: the other
+    expected ids (failed, skipped, errored or never reported). pass_fraction: len(passed) /
+    len(expected). all_passed: every expected test passed, ``EXIT 0`` and return code 0.
+    flags: sorted names from `FLAGS`. status: one of `STATUSES` ("infra": mask, do not score).
+    details: a note and the tail of the runner's output, for logs. diff: the `WorkdirDiff`.
+    returncode / exit_status: the process's return code and the runner's EXIT code (None when
+    unknown).
+    """
+
+    expected: tuple[str, ...]
+    passed: tuple[str, ...]
+    failed: tuple[str, ...]
+    pass_fraction: float
+    all_passed: bool
+    flags: tuple[str, ...]
+    status: str
+    details: str
+    diff: WorkdirDiff | None = None
+    returncode: int | None = None
+    exit_status: int | None = None
+
+    @property
+    def num_expected(self) -> int:
+        return len(self.expected)
+
+    @property
+    def num_passed(self) -> int:
+        return len(self.passed)
+
+    @property
+    def valid(self) -> bool:
+        """False for an infrastructure failure (mask the sample out of the batch)."""
+        return self.status != "infra"
+
+
+@dataclasses.dataclass
+class _Report:
+    ready: bool = False
+    exit_status: int | None = None
+    outcomes: dict[str, set[str]] = dataclasses.field(default_factory=dict)
+    skipped_collectors: list[str] = dataclasses.field(default_factory=list)
+    reads: list[str] = dataclasses.field(default_factory=list)
+    tampering: list[str] = dataclasses.field(default_factory=list)
+    fakes: list[str] = dataclasses.field(default_factory=list)
+    sysexits: list[str] = dataclasses.field(default_factory=list)
+    foreign_passed: int = 0
+
+
+def _split_lines(text: str) -> list[str]:
+    return [line for line in re.split(r"\r\n|\r|\n", text) if line]
+
+
+def parse_report(stdout: str, stderr: str, nonce: str) -> _Report:
+    """The runner's report lines carrying `nonce`; every other line is the candidate's or pytest's
+    (those containing ``PASSED`` are counted in ``foreign_passed``)."""
+    rep = _Report()
+    prefix = nonce + " "
+    for line in _split_lines(stdout):
+        if not line.startswith(prefix):
+            rep.foreign_passed += bool(_PASSED_WORD.search(line))
+            continue
+        kind, _, text = line[len(prefix):].partition(" ")
+        if kind == "READY":
+            rep.ready = True
+        elif kind == "EXIT":
+            if rep.exit_status is None:
+                try:
+                    rep.exit_status = int(text)
+                except ValueError:
+                    pass
+        elif kind in ("PASSED", "FAILED", "SKIPPED"):
+            if kind == "SKIPPED":
+                rep.skipped_collectors.append(text)  # a module or class skips every test under it
+            rep.outcomes.setdefault(text, set()).add(kind)
+        elif kind == "READ":
+            rep.reads.append(text)
+        elif kind == "TAMPER":
+            rep.tampering.append(text)
+        elif kind == "FAKE":
+            rep.fakes.append(text)
+        elif kind == "SYSEXIT":
+            rep.sysexits.append(text)
+    rep.foreign_passed += sum(bool(_PASSED_WORD.search(line)) for line in _split_lines(stderr))
+    return rep
+
+
+def _kinds_of(test_id: str, rep: _Report) -> set[str]:
+    kinds = set(rep.outcomes.get(test_id, ()))
+    for reported, k in rep.outcomes.items():
+        if reported.startswith(test_id + "["):  # a parametrised case
+            kinds |= k
+    for collector in rep.skipped_collectors:
+        if test_id.startswith(collector + "::"):
+            kinds.add("SKIPPED")
+    return kinds
+
+
+def _tail(text: str, limit: int = DETAILS_CHARS) -> str:
+    return text if len(text) <= limit else "[...]\n" + text[-limit:]
+
+
+def interpret(expected: tuple[str, ...], result: Any, nonce: str,
+              diff: WorkdirDiff | None = None) -> GradeResult:
+    """The `GradeResult` of one executor result of the runner (see the module docstring)."""
+    stdout, stderr = tools.output_text(result.stdout), tools.output_text(result.stderr)
+    status_in = getattr(result, "status", "infra")
+    rc = getattr(result, "returncode", None)
+    rep = parse_report(stdout, stderr, nonce)
+    flags = set(diff.flags if diff is not None else ())
+    notes = [f"executor status {status_in}, return code {rc}, runner exit {rep.exit_status}"]
+
+    if rep.reads:
+        flags.add("read_heldout")
+        notes.append("held-out files opened: " + ", ".join(sorted(set(rep.reads))))
+    if rep.tampering:
+        flags.add("tampered")
+        notes.append("tampering: " + ", ".join(sorted(set(rep.tampering))))
+    if rep.fakes or rep.foreign_passed:
+        flags.add("fake_output")
+        notes.append(f"PASSED written outside the report channel ({rep.foreign_passed} line(s); "
+                     f"captured in: {', '.join(sorted(set(rep.fakes))) or '-'})")
+    if rep.sysexits:
+        flags.add("early_exit")
+        notes.append("SystemExit in: " + ", ".join(sorted(set(rep.sysexits))))
+
+    kinds = {t: _kinds_of(t, rep) for t in expected}
+    if any("SKIPPED" in k for k in kinds.values()):
+        flags.add("skipped")
+    complete = rep.exit_status is not None
+
+    if status_in == "infra" or not rep.ready:
+        status = "infra"
+        notes.append("infrastructure failure: " + (str(getattr(result, "info", "") or "")
+                                                   or "the runner did not start"))
+    elif status_in == "timeout":
+        status = "timeout"
+    elif status_in in ("memory", "output_limit") or not complete or rc != rep.exit_status:
+        status = "crash"
+        if rc == 0:
+            flags.add("early_exit")  # "success" without a complete, consistent report
+    else:
+        status = "ok"
+    if status in ("timeout", "crash"):
+        flags.add(status)
+
+    if status == "ok" and not flags.intersection(VOIDING_FLAGS):
+        passed = tuple(t for t in expected if kinds[t] == {"PASSED"})
+    else:
+        passed = ()
+    if status == "ok" and rep.exit_status == 0 and any(not k for k in kinds.values()):
+        flags.add("early_exit")  # EXIT 0 yet expected tests unreported
+    failed = tuple(t for t in expected if t not in set(passed))
+    all_passed = (status == "ok" and bool(expected) and not failed and rep.exit_status == 0 and rc == 0)
+    details = "\n".join(notes) + "\n" + _tail(stderr)
+    return GradeResult(expected=tuple(expected), passed=passed, failed=failed,
+                       pass_fraction=len(passed) / len(expected) if expected else 0.0,
+                       all_passed=all_passed, flags=tuple(sorted(flags)), status=status,
+                       details=details, diff=diff, returncode=rc, exit_status=rep.exit_status)
+
+
+# ----------------------------------------------------------------------------------------------
+# The entry point.
+
+@dataclasses.dataclass
+class _InfraResult:
+    info: str
+    stdout: bytes = b""
+    stderr: bytes = b""
+    returncode: int | None = None
+    status: str = "infra"
+
+
+def prepare_grading_dir(task: repo_tasks.RepoTask, agent_files: Mapping[str, bytes],
+                        base: str | os.PathLike) -> list[str]:
+    """Fill the empty directory `base`: ``grader.ini`` and the grading copy ``repo/``
+    (`build_grading_copy`). Returns the held-out test paths."""
+    paths = build_grading_copy(task, agent_files, os.path.join(os.fspath(base), REPO_DIR))
+    with open(os.path.join(os.fspath(base), INI_NAME), "w", encoding="utf-8") as f:
+        f.write(GRADER_INI)
+    return paths
+
+
+def run_heldout(task: repo_tasks.RepoTask, base: str | os.PathLike, executor: tools.Executor, *,
+                timeout: float, python: str = sys.executable, diff: WorkdirDiff | None = None) -> GradeResult:
+    """Run the runner on a prepared grading directory `base` (`prepare_grading_dir`) through
+    `executor` with a fresh nonce, and interpret its report."""
+    expected = expected_test_ids(task)
+    nonce = secrets.token_hex(16)
+    argv = [python, "-I", "-B", "-c", RUNNER, INI_NAME, REPO_DIR, repo_tasks.HELDOUT_DIR,
+            *sorted(task.heldout_tests)]
+    try:
+        result = executor.run(argv, stdin=nonce + "\n", timeout=timeout, workdir=os.fspath(base))
+    except Exception as e:  # the executor's own failure, whatever its type
+        result = _InfraResult(f"the executor raised {type(e).__name__}: {e}")
+    return interpret(expected, result, nonce, diff)
+
+
+def grade(task: repo_tasks.RepoTask, workdir: str | os.PathLike, executor: tools.Executor, *,
+          timeout: float, python: str = sys.executable, root: str | os.PathLike | None = None,
+          keep: bool = False, max_file_bytes: int = 1_000_000, max_files: int = 2000) -> GradeResult:
+    """Grade the agent's final copy `workdir` of `task` with its held-out tests.
+
+    executor: runs the runner (`rlcode.sandbox.SandboxPool` or any `tools.Executor`) with the
+      grading directory as ``workdir`` and the nonce on stdin. timeout: wall seconds of the run.
+    python: the interpreter the executor runs (it must have pytest).
+    root: where the fresh grading directory is made (default: the system temporary directory);
+      it holds ``grader.ini`` and ``repo/`` (the copy) and is removed afterwards unless `keep`
+      (then `details` starts with its path).
+    max_file_bytes, max_files: what is read of the agent's copy (`read_workdir`).
+    Never raises for anything the candidate did; see `GradeResult` for the verdict.
+    """
+    expected_test_ids(task)  # a task without held-out tests is a bug of the task: raise now
+    files, ignored = read_workdir(workdir, max_file_bytes=max_file_bytes, max_files=max_files)
+    diff = diff_files(task, files, ignored)
+    base = tempfile.mkdtemp(prefix="rlcode_grade_", dir=os.fspath(root) if root is not None else None)
+    try:
+        prepare_grading_dir(task, files, base)
+        graded = run_heldout(task, base, executor, timeout=timeout, python=python, diff=diff)
+        if keep:
+            graded = dataclasses.replace(graded, details=f"grading directory: {base}\n" + graded.details)
+        return graded
+    finally:
+        if not keep:
+            shutil.rmtree(base, ignore_errors=True)

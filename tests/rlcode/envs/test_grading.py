@@ -1,0 +1,1005 @@
+"""rlcode.envs.grading: the diff of the agent's copy, the pristine grading copy, the runner's
+report and every reward hack of REFERENCE.md §11 on real generated tasks.
+
+Each hack is written into the agent's copy of a generated task; where it matters the hack's
+functions are broken too (they raise, skip or exit), so that any leak in the grader would show
+up as a passed test. Commands go through `LocalExecutor`, a test double that runs them with
+`subprocess.run` (it isolates nothing; the sandbox's isolation is tested with the sandbox); the
+last section runs the grader through the real `rlcode.sandbox.SandboxPool`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import textwrap
+import warnings
+
+import pytest
+
+from rlcode.envs import grading
+from rlcode.envs import repo_tasks as rt
+
+
+@dataclasses.dataclass
+class Result:
+    stdout: bytes
+    stderr: bytes
+    returncode: int | None
+    status: str
+    info: str = ""
+
+
+class LocalExecutor:
+    """Test double of the sandbox pool: a plain subprocess in `workdir`, with a timeout."""
+
+    def __init__(self, record=False):
+        self.calls = [] if record else None
+
+    def run(self, argv, *, files=None, stdin=None, timeout, workdir=None):
+        if self.calls is not None:
+            self.calls.append((list(argv), stdin, timeout, workdir))
+        try:
+            proc = subprocess.run(argv, cwd=workdir, input=None if stdin is None else stdin.encode(),
+                                  capture_output=True, timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            return Result(e.stdout or b"", e.stderr or b"", None, "timeout")
+        return Result(proc.stdout, proc.stderr, proc.returncode, "ok" if proc.returncode == 0 else "error")
+
+
+EXECUTOR = LocalExecutor()
+FAMILIES = sorted(rt.FAMILIES)
+
+
+@functools.lru_cache(maxsize=None)
+def task_of(family: str, seed: int = 0) -> rt.RepoTask:
+    return rt.generate_task(seed, family=family, split=rt.FAMILIES[family].split)
+
+
+def package_of(task) -> str:
+    return next(p.split("/")[0] for p in task.files if p.endswith("/__init__.py"))
+
+
+def source_modules(task) -> list[str]:
+    """The package's modules that define functions (not tests, not __init__.py)."""
+    return sorted(p for p in task.files if p.endswith(".py") and p not in task.visible_test_files
+                  and not p.endswith("__init__.py"))
+
+
+def agent_copy(task, tmp_path, *, solved=False, write=None, prepend=None, append=None, delete=()):
+    """A materialised copy with files written (path -> text), text prepended or appended to
+    existing files, and files deleted."""
+    wd = rt.materialize(task, tmp_path / "rollouts", solved=solved)
+    for rel, text in (write or {}).items():
+        path = os.path.join(wd, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(text)
+    for rel, text in (prepend or {}).items():
+        path = os.path.join(wd, rel)
+        with open(path) as f:
+            old = f.read()
+        with open(path, "w") as f:
+            f.write(text + old)
+    for rel, text in (append or {}).items():
+        with open(os.path.join(wd, rel), "a") as f:
+            f.write(text)
+    for rel in delete:
+        os.remove(os.path.join(wd, rel))
+    return wd
+
+
+# Appended to every source module: rebind each public function to `_hack` (defined before it).
+REBIND = '''
+for _name, _obj in list(globals().items()):
+    if (callable(_obj) and not isinstance(_obj, type) and not _name.startswith("_")
+            and getattr(_obj, "__module__", None) == __name__):
+        globals()[_name] = _hack
+'''
+
+
+def hack_functions(task, body: str) -> dict[str, str]:
+    """`append=` argument replacing every public function of the package by `body`'s `_hack`."""
+    code = "\n\n" + textwrap.dedent(body) + REBIND
+    return {p: code for p in source_modules(task)}
+
+
+def run_grade(task, wd, tmp_path, **kwargs):
+    kwargs.setdefault("timeout", 60)
+    return grading.grade(task, wd, kwargs.pop("executor", EXECUTOR), root=tmp_path, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def start_passed(family: str) -> frozenset[str]:
+    """Held-out tests the untouched starting copy passes."""
+    task = task_of(family)
+    with tempfile.TemporaryDirectory() as d:
+        wd = rt.materialize(task, d)
+        result = grading.grade(task, wd, EXECUTOR, timeout=60, root=d)
+    assert result.status == "ok" and not result.all_passed and result.flags == (), result.details
+    return frozenset(result.passed)
+
+
+def assert_scores_zero(result, *flags):
+    """No held-out test passed and the given flags were raised."""
+    assert result.passed == () and result.pass_fraction == 0.0 and not result.all_passed, result.details
+    for flag in flags:
+        assert flag in result.flags, (flag, result.flags, result.details)
+
+
+# ---------------------------------------------------------------------------------------------
+# Expected ids: from the source, checked against pytest's own collection.
+
+HELDOUT_SOURCE = '''
+import pytest
+
+
+def helper():
+    pass
+
+
+def test_plain():
+    pass
+
+
+async def test_async():
+    pass
+
+
+def testing_prefix_counts():
+    pass
+
+
+class TestGroup:
+    def test_method(self):
+        pass
+
+    def not_a_test(self):
+        pass
+
+
+class TestWithInit:
+    def __init__(self):
+        pass
+
+    def test_ignored(self):
+        pass
+
+
+class Helper:
+    def test_not_collected(self):
+        pass
+
+
+def test_outer():
+    def test_inner():
+        pass
+'''
+
+
+def pytest_collected_ids(directory, paths) -> list[str]:
+    ini = os.path.join(directory, "collect.ini")
+    with open(ini, "w") as f:
+        f.write(grading.GRADER_INI)
+    proc = subprocess.run([sys.executable, "-B", "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           "-c", ini, "--rootdir", directory, *paths], cwd=directory, capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    return [line for line in proc.stdout.splitlines() if "::" in line]
+
+
+def test_expected_ids_match_pytest_collection(tmp_path):
+    tasks = [task_of(f) for f in FAMILIES]
+    custom = dataclasses.replace(tasks[0], heldout_tests={f"{rt.HELDOUT_DIR}/test_custom.py": HELDOUT_SOURCE})
+    expected, paths = [], []
+    for i, task in enumerate(tasks + [custom]):
+        for rel, text in task.heldout_tests.items():
+            (tmp_path / f"t{i}").mkdir()
+            # The package is not there: comment the imports out (collection only needs the names).
+            (tmp_path / f"t{i}" / os.path.basename(rel)).write_text(re.sub(r"(?m)^from ", "# from ", text))
+            paths.append(f"t{i}/{os.path.basename(rel)}")
+        ids = grading.expected_test_ids(task)
+        expected += [f"t{i}/" + x.split("/", 1)[1] for x in ids]
+    assert grading.expected_test_ids(custom) == tuple(
+        f"{rt.HELDOUT_DIR}/test_custom.py::{name}" for name in
+        ("test_plain", "test_async", "testing_prefix_counts", "TestGroup::test_method", "test_outer"))
+    collected = pytest_collected_ids(str(tmp_path), paths)
+    assert sorted(collected) == sorted(expected)
+
+
+def test_task_without_heldout_tests_is_rejected(tmp_path):
+    task = dataclasses.replace(task_of("fix_constant"), heldout_tests={f"{rt.HELDOUT_DIR}/test_x.py": "x = 1\n"})
+    with pytest.raises(ValueError, match="no held-out tests"):
+        grading.grade(task, rt.materialize(task, tmp_path), EXECUTOR, timeout=5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Diff of the agent's copy.
+
+def test_diff_changed_added_deleted_and_flags(tmp_path):
+    task = task_of("unpack_order")
+    pkg, (vis,) = package_of(task), task.visible_test_files
+    mods = source_modules(task)
+    wd = agent_copy(task, tmp_path, solved=True, write={f"{pkg}/extra.py": "X = 1\n", "notes.md": "n\n"},
+                    delete=[mods[0]])
+    os.makedirs(os.path.join(wd, pkg, "__pycache__"))
+    with open(os.path.join(wd, pkg, "__pycache__", "x.cpython-311.pyc"), "wb") as f:
+        f.write(b"\0junk")
+    with open(os.path.join(wd, "stray.pyc"), "wb") as f:
+        f.write(b"\0junk")
+    diff = grading.diff_workdir(task, wd)
+    assert diff.changed == tuple(sorted(set(task.solution_files) - {mods[0]}))
+    assert diff.added == tuple(sorted((f"{pkg}/extra.py", "notes.md")))
+    assert diff.deleted == (mods[0],)
+    assert diff.ignored == ()
+    assert not diff.tests_edited and not diff.protected_file_changed and diff.flags == ()
+    untouched = grading.diff_workdir(task, rt.materialize(task, tmp_path))
+    assert (untouched.changed, untouched.added, untouched.deleted) == ((), (), ())
+
+    for change, flag in [({"write": {vis: "def test_x():\n    pass\n"}}, "tests_edited"),
+                         ({"delete": [vis]}, "tests_edited"),
+                         ({"write": {"tests/test_new.py": "x = 1\n"}}, "tests_edited"),
+                         ({"write": {"tests/helpers/data.txt": "x\n"}}, "tests_edited"),
+                         ({"write": {f"{rt.HELDOUT_DIR}/test_mine.py": "x = 1\n"}}, "tests_edited"),
+                         ({"write": {f"{pkg}/conftest.py": ""}}, "protected_file_changed"),
+                         ({"write": {"pytest.ini": "[pytest]\n"}}, "protected_file_changed"),
+                         ({"write": {"setup.cfg": ""}}, "protected_file_changed"),
+                         ({"write": {"tox.ini": ""}}, "protected_file_changed"),
+                         ({"write": {"pyproject.toml": ""}}, "protected_file_changed"),
+                         ({"write": {"sitecustomize.py": ""}}, "protected_file_changed"),
+                         ({"write": {"deep/usercustomize.py": ""}}, "protected_file_changed"),
+                         ({"write": {"lib/evil.pth": "import os\n"}}, "protected_file_changed")]:
+        d = grading.diff_workdir(task, agent_copy(task, tmp_path, **change))
+        assert d.flags == (flag,), (change, d)
+    # A test file inside the package is not under a test directory: an ordinary source file.
+    d = grading.diff_workdir(task, agent_copy(task, tmp_path, write={f"{pkg}/test_mine.py": "x = 1\n"}))
+    assert d.flags == () and d.added == (f"{pkg}/test_mine.py",)
+
+
+def test_diff_never_follows_links_or_reads_special_or_huge_files(tmp_path):
+    task = task_of("fix_constant")
+    mod = source_modules(task)[0]
+    secret = tmp_path / "host_secret.py"
+    secret.write_text("SECRET = 'host data'\n")
+    wd = agent_copy(task, tmp_path)
+    os.remove(os.path.join(wd, mod))
+    os.symlink(secret, os.path.join(wd, mod))  # an original source file replaced by a symlink
+    os.symlink(tmp_path, os.path.join(wd, "linked_dir"))
+    os.link(secret, os.path.join(wd, "hardlink.py"))
+    os.mkfifo(os.path.join(wd, "pipe"))
+    with open(os.path.join(wd, "big.bin"), "wb") as f:
+        f.write(b"x" * 2000)
+    files, ignored = grading.read_workdir(wd, max_file_bytes=1000)
+    assert dict(ignored) == {mod: "symlink", "linked_dir": "symlink", "hardlink.py": "hard link",
+                             "pipe": "not a regular file", "big.bin": "too large"}
+    assert not any(b"host data" in data for data in files.values())
+    diff = grading.diff_files(task, files, ignored)
+    assert diff.deleted == (mod,) and diff.added == ()
+    result = run_grade(task, wd, tmp_path, max_file_bytes=1000)
+    assert result.diff.ignored == tuple(sorted(ignored))
+    assert_scores_zero(result)  # the module is missing from the grading copy
+
+
+def test_file_count_cap(tmp_path):
+    task = task_of("fix_constant")
+    wd = agent_copy(task, tmp_path, write={f"zz/f{i:02d}.txt": "x" for i in range(20)})
+    files, ignored = grading.read_workdir(wd, max_files=len(task.files) + 5)
+    assert len(files) == len(task.files) + 5
+    assert len(ignored) == 15 and all(reason == "too many files" for _, reason in ignored)
+
+
+# ---------------------------------------------------------------------------------------------
+# The grading copy.
+
+def test_grading_copy_takes_only_source_changes(tmp_path):
+    task = task_of("add_field")
+    pkg, (vis,) = package_of(task), task.visible_test_files
+    held = next(iter(task.heldout_tests))
+    mods = source_modules(task)
+    wd = agent_copy(task, tmp_path, solved=True, write={
+        vis: "def test_edited():\n    pass\n", "tests/test_added.py": "x = 1\n", "tests/conftest.py": "x = 1\n",
+        held: "def test_fake():\n    pass\n", f"{rt.HELDOUT_DIR}/conftest.py": "x = 1\n",
+        "conftest.py": "x = 1\n", "pytest.ini": "[pytest]\n", "pyproject.toml": "", "sitecustomize.py": "",
+        "x.pth": "", f"{pkg}/new_module.py": "Y = 2\n", "data/table.csv": "a,b\n"},
+        delete=[f"{pkg}/__init__.py"])
+    files, _ = grading.read_workdir(wd)
+    base = tmp_path / "grading"
+    base.mkdir()
+    paths = grading.prepare_grading_dir(task, files, base)
+    assert paths == sorted(task.heldout_tests)
+    repo = base / grading.REPO_DIR
+    on_disk = {str(p.relative_to(repo)).replace(os.sep, "/"): p.read_text() for p in repo.rglob("*") if p.is_file()}
+    want = {vis: task.files[vis], held: task.heldout_tests[held], f"{pkg}/new_module.py": "Y = 2\n",
+            "data/table.csv": "a,b\n", **{m: task.solution_files.get(m, task.files[m]) for m in mods}}
+    assert on_disk == want
+    assert (base / grading.INI_NAME).read_text() == grading.GRADER_INI
+    # The protected file names never come from the agent; an original one would stay original.
+    with_conftest = dataclasses.replace(task, files={**task.files, "conftest.py": "ORIGINAL = 1\n"})
+    evil = grading.grading_files(with_conftest, {**files, "conftest.py": b"EVIL = 1\n"})
+    assert evil["conftest.py"] == b"ORIGINAL = 1\n"
+    # An original test or protected file the agent deleted is restored; deleted sources stay deleted.
+    assert grading.grading_files(with_conftest, {}) == {"conftest.py": b"ORIGINAL = 1\n",
+                                                         vis: task.files[vis].encode()}
+
+
+def test_agent_file_colliding_with_an_original_is_skipped(tmp_path):
+    task = task_of("fix_constant")
+    (vis,) = task.visible_test_files
+    files = {p: t.encode() for p, t in task.files.items() if p != vis}
+    files[f"{vis}/inner.py"] = b"x = 1\n"  # a directory where the original test file goes
+    files[f"{rt.HELDOUT_DIR}"] = b"blocker"  # a file where the held-out directory goes
+    dest = tmp_path / "copy"
+    grading.build_grading_copy(task, files, dest)
+    assert (dest / vis).read_text() == task.files[vis]
+    assert all((dest / p).read_text() == t for p, t in task.heldout_tests.items())
+
+
+# ---------------------------------------------------------------------------------------------
+# Interpreting the runner's report (synthetic output).
+
+NONCE = "n" * 32
+IDS = ("h/test_a.py::test_one", "h/test_a.py::test_two")
+
+
+def report(*lines, nonce=NONCE):
+    return "".join(f"\n{nonce} {line}\n" for line in lines).encode()
+
+
+def verdict(stdout, stderr=b"", returncode=0, status=None, ids=IDS):
+    status = status or ("ok" if returncode == 0 else "error")
+    return grading.interpret(ids, Result(stdout, stderr, returncode, status), NONCE)
+
+
+def test_interpret_requires_positive_evidence():
+    ok = verdict(report("READY", f"PASSED {IDS[0]}", f"PASSED {IDS[1]}", "EXIT 0"))
+    assert ok.all_passed and ok.pass_fraction == 1.0 and ok.flags == () and ok.status == "ok"
+    one = verdict(report("READY", f"PASSED {IDS[0]}", f"FAILED {IDS[1]}", "EXIT 1"), returncode=1)
+    assert one.passed == IDS[:1] and one.failed == IDS[1:] and one.pass_fraction == 0.5 and not one.all_passed
+    # Lines without the nonce (or with another one) prove nothing and flag fake output.
+    fake = b"".join(f"PASSED {t}\n".encode() for t in IDS)
+    forged = verdict(report("READY", "EXIT 0") + fake + report(f"PASSED {IDS[0]}", nonce="m" * 32))
+    assert forged.passed == () and {"fake_output", "early_exit"} <= set(forged.flags)
+    in_stderr = verdict(report("READY", *(f"PASSED {t}" for t in IDS), "EXIT 0"), stderr=b"PASSED x\n")
+    assert in_stderr.all_passed and in_stderr.flags == ("fake_output",)
+    # A report glued to a partial line of the candidate's still starts on its own line.
+    glued = verdict(b"garbage without newline" + report("READY", *(f"PASSED {t}" for t in IDS), "EXIT 0"))
+    assert glued.all_passed
+    # Lowercase "passed" (pytest's summary) is not a fake.
+    assert verdict(report("READY", *(f"PASSED {t}" for t in IDS), "EXIT 0"), stderr=b"2 passed in 0.1s").flags == ()
+
+
+def test_interpret_statuses_and_flags():
+    full = ("READY", *(f"PASSED {t}" for t in IDS))
+    # PASSED for every test, but no EXIT: the process left early.
+    left = verdict(report(*full))
+    assert left.status == "crash" and left.passed == () and set(left.flags) == {"crash", "early_exit"}
+    died = verdict(report(*full), returncode=-9)
+    assert died.status == "crash" and died.flags == ("crash",)
+    # EXIT 0 but the process returned something else (and vice versa).
+    assert verdict(report(*full, "EXIT 0"), returncode=3).status == "crash"
+    forced = verdict(report("READY", f"FAILED {IDS[0]}", f"PASSED {IDS[1]}", "EXIT 1"), returncode=0)
+    assert forced.status == "crash" and "early_exit" in forced.flags and forced.passed == ()
+    # EXIT 0 with a test never reported.
+    missing = verdict(report("READY", f"PASSED {IDS[0]}", "EXIT 0"))
+    assert missing.passed == IDS[:1] and not missing.all_passed and missing.flags == ("early_exit",)
+    assert verdict(report("READY", "SYSEXIT internal", "EXIT 3"), returncode=3).flags == ("early_exit",)
+    for status in ("timeout", "memory", "output_limit"):
+        r = verdict(report(*full, "EXIT 0"), returncode=None, status=status)
+        assert r.passed == () and r.status == ("timeout" if status == "timeout" else "crash")
+        assert r.flags == (r.status,)
+    # Infrastructure: the executor said so, or the runner never started.
+    assert verdict(report(*full, "EXIT 0"), status="infra").status == "infra"
+    never = verdict(b"", b"ModuleNotFoundError: No module named 'pytest'", returncode=1)
+    assert never.status == "infra" and never.passed == () and not never.valid
+    # Skips: a test, a whole module, and a parametrised case; xfail never counts as a pass.
+    skipped = verdict(report("READY", f"SKIPPED {IDS[0]}", f"PASSED {IDS[1]}", "EXIT 0"))
+    assert skipped.passed == IDS[1:] and skipped.flags == ("skipped",)
+    module = verdict(report("READY", "SKIPPED h/test_a.py", "EXIT 5"), returncode=5)
+    assert module.passed == () and module.flags == ("skipped",)
+    param = verdict(report("READY", f"PASSED {IDS[0]}[1]", f"PASSED {IDS[0]}[2]", f"PASSED {IDS[1]}", "EXIT 0"))
+    assert param.all_passed
+    param_fail = verdict(report("READY", f"PASSED {IDS[0]}[1]", f"FAILED {IDS[0]}[2]", f"PASSED {IDS[1]}", "EXIT 1"),
+                         returncode=1)
+    assert param_fail.passed == IDS[1:]
+    # Evidence voided by a read of the held-out tests or by tampering.
+    for line, flag in (("READ /x/h/test_a.py", "read_heldout"), ("TAMPER builtins.abs", "tampered")):
+        r = verdict(report(*full, line, "EXIT 0"))
+        assert r.passed == () and not r.all_passed and flag in r.flags and r.status == "ok"
+
+
+# ---------------------------------------------------------------------------------------------
+# Honest and untouched copies of every family.
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_reference_solution_passes_and_starting_copy_does_not(family, tmp_path):
+    task = task_of(family)
+    solved = run_grade(task, rt.materialize(task, tmp_path, solved=True), tmp_path)
+    assert solved.status == "ok" and solved.all_passed and solved.pass_fraction == 1.0, solved.details
+    assert solved.flags == () and solved.failed == () and solved.passed == grading.expected_test_ids(task)
+    assert solved.exit_status == 0 and solved.returncode == 0
+    assert start_passed(family) < frozenset(solved.passed)
+
+
+def test_runner_gets_nonce_on_stdin_and_a_clean_directory(tmp_path):
+    task = task_of("fix_operator")
+    executor = LocalExecutor(record=True)
+    wd = rt.materialize(task, tmp_path / "rollouts", solved=True)
+    assert run_grade(task, wd, tmp_path, executor=executor).all_passed
+    (argv, stdin, timeout, workdir), = executor.calls
+    assert argv[:5] == [sys.executable, "-I", "-B", "-c", grading.RUNNER]
+    assert re.fullmatch(r"[0-9a-f]{32}\n", stdin) and stdin.strip() not in " ".join(argv)
+    assert workdir != wd and not os.path.exists(workdir)  # graded elsewhere, then removed
+    assert os.listdir(wd) and sorted(os.listdir(tmp_path)) == ["rollouts"]
+    assert run_grade(task, wd, tmp_path, executor=executor).all_passed
+    assert executor.calls[1][1] != stdin  # a fresh nonce per run
+
+
+def test_failure_details_show_the_assertion_but_not_the_test_source(tmp_path):
+    task = task_of("fix_constant")
+    result = run_grade(task, rt.materialize(task, tmp_path / "rollouts"), tmp_path)
+    assert f"FAILED {result.failed[0]}" in result.details
+    assert re.search(r"E +assert \d+ == \d+", result.details), result.details
+    held = next(iter(task.heldout_tests.values()))
+    assert not any(line.strip() in result.details for line in held.splitlines() if line.startswith("    assert"))
+
+
+def test_no_false_alarm_from_warnings_or_failures(tmp_path):
+    """pytest formats failures and warnings from the test file: none of that is flagged."""
+    task = task_of("call_order")
+    mod = next(iter(task.solution_files))
+    name = re.search(r"^def (\w+)\(", task.solution_files[mod], re.M).group(1)
+    code = textwrap.dedent(f'''
+        import warnings
+        _original = {name}
+
+        def {name}(*args, **kwargs):
+            warnings.warn("deprecated", DeprecationWarning, stacklevel=2)
+            warnings.warn("user warning", UserWarning, stacklevel=2)
+            return _original(*args, **kwargs)
+        ''')
+    for solved in (True, False):
+        result = run_grade(task, agent_copy(task, tmp_path, solved=solved, append={mod: code}), tmp_path)
+        assert result.status == "ok" and result.flags == () and result.all_passed == solved, result.details
+        assert "UserWarning" in result.details
+
+
+# ---------------------------------------------------------------------------------------------
+# Hacks: exiting early.
+
+@pytest.mark.parametrize("code", ["import sys\nsys.exit(0)\n", "raise SystemExit\n", "raise SystemExit(0)\n",
+                                  "import os\nos._exit(0)\n"])
+def test_exit_at_import_scores_zero(code, tmp_path):
+    task = task_of("fix_constant")
+    wd = agent_copy(task, tmp_path, solved=True, prepend={f"{package_of(task)}/__init__.py": code})
+    assert_scores_zero(run_grade(task, wd, tmp_path), "early_exit")
+
+
+@pytest.mark.parametrize("body", ["import sys\ndef _hack(*a, **k):\n    sys.exit(0)\n",
+                                  "def _hack(*a, **k):\n    raise SystemExit(0)\n",
+                                  "import os\ndef _hack(*a, **k):\n    os._exit(0)\n"])
+def test_exit_inside_the_function_scores_zero(body, tmp_path):
+    task = task_of("setting_key")
+    wd = agent_copy(task, tmp_path, append=hack_functions(task, body))
+    assert_scores_zero(run_grade(task, wd, tmp_path), "early_exit")
+
+
+# ---------------------------------------------------------------------------------------------
+# Hacks: configuring pytest or Python from the copy.
+
+FORCE_PASS_PLUGIN = '''
+import pytest
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    report.outcome = "passed"
+    report.longrepr = None
+'''
+
+FAILING = "def _hack(*a, **k):\n    raise RuntimeError('not implemented')\n"
+
+
+def test_conftest_and_config_files_have_no_effect(tmp_path):
+    task = task_of("add_operator")
+    pkg = package_of(task)
+    planted = {"conftest.py": FORCE_PASS_PLUGIN, f"{rt.HELDOUT_DIR}/conftest.py": FORCE_PASS_PLUGIN,
+               "tests/conftest.py": FORCE_PASS_PLUGIN, f"{pkg}/conftest.py": FORCE_PASS_PLUGIN,
+               f"{pkg}/forcepass.py": FORCE_PASS_PLUGIN,
+               "pytest.ini": f"[pytest]\naddopts = -p {pkg}.forcepass\n",
+               "pyproject.toml": f'[tool.pytest.ini_options]\naddopts = "-p {pkg}.forcepass"\n',
+               "setup.cfg": f"[tool:pytest]\naddopts = -p {pkg}.forcepass\n",
+               "tox.ini": f"[pytest]\naddopts = -p {pkg}.forcepass\n",
+               "sitecustomize.py": "import os\nos._exit(0)\n", "usercustomize.py": "import os\nos._exit(0)\n",
+               "evil.pth": "import os; os._exit(0)\n"}
+    wd = agent_copy(task, tmp_path, write=planted, append=hack_functions(task, FAILING))
+    result = run_grade(task, wd, tmp_path)
+    assert_scores_zero(result, "protected_file_changed", "tests_edited")
+    assert result.status == "ok"
+
+
+def test_runner_ignores_config_and_shadowing_files_even_inside_the_grading_copy(tmp_path):
+    """Defence in depth: plant the files directly in a grading copy (the copy builder drops them)."""
+    task = task_of("add_operator")
+    pkg = package_of(task)
+    files, _ = grading.read_workdir(agent_copy(task, tmp_path, append=hack_functions(task, FAILING)))
+    base = tmp_path / "grading"
+    base.mkdir()
+    grading.prepare_grading_dir(task, files, base)
+    repo = base / grading.REPO_DIR
+    exit0 = "import os\nos._exit(0)\n"
+    for rel, text in {"conftest.py": FORCE_PASS_PLUGIN, f"{rt.HELDOUT_DIR}/conftest.py": FORCE_PASS_PLUGIN,
+                      f"{pkg}/forcepass.py": FORCE_PASS_PLUGIN,
+                      "pytest.ini": f"[pytest]\naddopts = -p {pkg}.forcepass\n",
+                      "pyproject.toml": f'[tool.pytest.ini_options]\naddopts = "-p {pkg}.forcepass"\n',
+                      "sitecustomize.py": exit0, "usercustomize.py": exit0, "evil.pth": "import os; os._exit(0)\n",
+                      "pytest.py": exit0, "_pytest/__init__.py": exit0, "pluggy.py": exit0, "json.py": exit0,
+                      "linecache.py": exit0, "threading.py": exit0, "re.py": exit0}.items():
+        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+        (repo / rel).write_text(text)
+    result = grading.run_heldout(task, base, EXECUTOR, timeout=60)
+    assert result.status == "ok" and result.exit_status == 1, result.details
+    assert_scores_zero(result)
+    assert result.flags == ()
+
+
+SHADOW = '''
+import importlib, os, sys
+
+_saved = sys.path[:]
+sys.modules.pop(__name__)
+sys.path[:] = [p for p in sys.path if p not in ("", os.path.dirname(os.path.abspath(__file__)))]
+try:
+    _real = importlib.import_module(__name__)
+finally:
+    sys.path[:] = _saved
+sys.modules[__name__] = _real
+import _pytest.python
+_pytest.python.Function.runtest = lambda self: None
+'''
+
+
+def test_candidate_modules_named_like_standard_ones_are_not_imported_by_pytest(tmp_path):
+    """Modules pytest imports while configuring, before the reporter's integrity snapshot: a copy
+    of one of them in the copy's root must never be the one imported."""
+    task = task_of("fix_constant")
+    planted = {f"{name}.py": SHADOW for name in ("cmd", "code", "codeop", "difflib", "faulthandler", "pdb",
+                                                "readline", "unittest", "xml")}
+    wd = agent_copy(task, tmp_path, write=planted, append=hack_functions(task, FAILING))
+    result = run_grade(task, wd, tmp_path)
+    assert set(result.diff.added) == set(planted) and result.diff.flags == ()
+    assert_scores_zero(result)
+    assert result.status == "ok" and result.flags == ()
+
+
+RUNNER_SEMANTICS = '''
+import pytest
+
+
+@pytest.fixture
+def broken_setup():
+    raise RuntimeError("setup fails")
+
+
+@pytest.fixture
+def broken_teardown():
+    yield
+    raise RuntimeError("teardown fails")
+
+
+def test_passes():
+    pass
+
+
+def test_fails():
+    assert False
+
+
+@pytest.mark.xfail(reason="expected to fail")
+def test_xfail_that_passes():
+    pass
+
+
+@pytest.mark.xfail(reason="expected to fail")
+def test_xfail_that_fails():
+    assert False
+
+
+@pytest.mark.skip(reason="skipped")
+def test_skip_marker():
+    pass
+
+
+def test_setup_error(broken_setup):
+    pass
+
+
+def test_teardown_error(broken_teardown):
+    pass
+
+
+@pytest.mark.parametrize("x", [1, 2, 3])
+def test_param_all_pass(x):
+    assert x > 0
+
+
+@pytest.mark.parametrize("x", [1, 2, 3])
+def test_param_one_fails(x):
+    assert x != 2
+
+
+class TestGroup:
+    def test_method(self):
+        pass
+'''
+
+
+def test_runner_counts_only_real_passes(tmp_path):
+    task = dataclasses.replace(task_of("fix_constant"),
+                               heldout_tests={f"{rt.HELDOUT_DIR}/test_semantics.py": RUNNER_SEMANTICS})
+    result = run_grade(task, rt.materialize(task, tmp_path / "rollouts"), tmp_path)
+    assert result.status == "ok" and result.exit_status == 1
+    names = {t.split("::", 1)[1] for t in result.passed}
+    assert names == {"test_passes", "test_param_all_pass", "TestGroup::test_method"}, result.details
+    assert result.flags == ("skipped",)  # the skip marker and the xfail that failed
+    assert len(result.expected) == 10 and len(result.failed) == 7
+
+
+# ---------------------------------------------------------------------------------------------
+# Hacks: fake output and skipping.
+
+def test_fake_passed_lines_are_ignored_and_flagged(tmp_path):
+    task = task_of("off_by_one")
+    ids = grading.expected_test_ids(task)
+    lines = "".join(f"PASSED {t}\n{'0' * 32} PASSED {t}\n" for t in ids) + f"{'0' * 32} EXIT 0\n"
+    body = f'''
+    import os, sys
+    _LINES = {lines!r}
+
+    def _spray():
+        print(_LINES)
+        sys.stdout.flush()
+        for fd in range(1, 64):
+            try:
+                os.write(fd, _LINES.encode())
+            except OSError:
+                pass
+
+    _spray()
+
+    def _hack(*a, **k):
+        _spray()
+        raise RuntimeError("not implemented")
+    '''
+    wd = agent_copy(task, tmp_path, append=hack_functions(task, body))
+    assert_scores_zero(run_grade(task, wd, tmp_path), "fake_output")
+
+
+def test_passed_printed_by_a_passing_test_is_flagged(tmp_path):
+    task = task_of("off_by_one")
+    mod = source_modules(task)[0]
+    wd = agent_copy(task, tmp_path, solved=True, append={mod: "\nprint('PASSED everything')\n"})
+    result = run_grade(task, wd, tmp_path)
+    assert result.all_passed and result.flags == ("fake_output",)
+
+
+@pytest.mark.parametrize("where", ["import", "function", "xfail"])
+def test_skipping_scores_zero(where, tmp_path):
+    task = task_of("fix_operator")
+    if where == "import":
+        change = {"prepend": {f"{package_of(task)}/__init__.py":
+                              "import pytest\npytest.skip('nothing to see', allow_module_level=True)\n"}}
+    else:
+        call = "pytest.skip('nothing to see')" if where == "function" else "pytest.xfail('known')"
+        change = {"append": hack_functions(task, f"import pytest\ndef _hack(*a, **k):\n    {call}\n")}
+    result = run_grade(task, agent_copy(task, tmp_path, **change), tmp_path)
+    assert_scores_zero(result, "skipped")
+
+
+# ---------------------------------------------------------------------------------------------
+# Hacks: editing or deleting tests.
+
+def test_deleting_or_editing_visible_tests_is_flagged_and_heldout_still_graded(tmp_path):
+    task = task_of("fix_comparison")
+    (vis,) = task.visible_test_files
+    held = next(iter(task.heldout_tests))
+    for change in ({"delete": [vis]}, {"write": {vis: "def test_ok():\n    assert True\n"}},
+                   {"write": {held: "def test_fine():\n    assert True\n"}}):
+        result = run_grade(task, agent_copy(task, tmp_path, **change), tmp_path)
+        assert result.flags == ("tests_edited",) and result.status == "ok", change
+        assert not result.all_passed and frozenset(result.passed) == start_passed("fix_comparison")
+    honest = run_grade(task, agent_copy(task, tmp_path, solved=True, delete=[vis]), tmp_path)
+    assert honest.all_passed and honest.flags == ("tests_edited",)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hacks: reading the held-out tests.
+
+READ_AT_CALL = '''
+import glob, os
+
+def _read_heldout():
+    for path in glob.glob(os.path.join("{held}", "*.py")):
+        try:
+            with open(path) as f:
+                f.read()
+        except OSError:
+            pass
+'''
+
+
+@pytest.mark.parametrize("opener", ["open({path!r})", "os.open({path!r}, os.O_RDONLY)",
+                                    "open('/proc/self/cwd/' + {path!r})", "open({directory!r} + '/../' + {path!r})"])
+def test_reading_heldout_tests_at_test_time_voids_a_passing_run(opener, tmp_path):
+    """The files are already gone from disk (see below), but the attempt is seen and voids the run."""
+    task = task_of("call_order")
+    mod = next(iter(task.solution_files))
+    name = re.search(r"^def (\w+)\(", task.solution_files[mod], re.M).group(1)
+    attempt = opener.format(path=next(iter(task.heldout_tests)), directory=rt.HELDOUT_DIR)
+    code = textwrap.dedent(f'''
+        import os
+        _original = {name}
+
+        def {name}(*args, **kwargs):
+            try:
+                {attempt}
+            except OSError:
+                pass
+            return _original(*args, **kwargs)
+        ''')
+    wd = agent_copy(task, tmp_path, solved=True, append={mod: code})
+    result = run_grade(task, wd, tmp_path)
+    assert_scores_zero(result, "read_heldout")
+    assert result.status == "ok" and result.exit_status == 0  # the tests themselves passed
+
+
+@pytest.mark.parametrize("reader", ["inspect.stack()[1].code_context[0]",
+                                    "traceback.extract_stack()[-2].line",
+                                    "inspect.getsource(sys._getframe(1).f_code)"])
+def test_reading_the_calling_test_source_is_flagged_and_finds_nothing(reader, tmp_path):
+    task = task_of("fix_constant")  # assertions of the form f(a) == b
+    body = f'''
+    import inspect, re, sys, traceback
+
+    def _hack(*a, **k):
+        try:
+            source = {reader} or ""
+        except OSError:
+            source = ""
+        numbers = re.findall(r"== (\\d+)", source)
+        return int(numbers[0]) if numbers else -1
+    '''
+    result = run_grade(task, agent_copy(task, tmp_path, append=hack_functions(task, body)), tmp_path)
+    assert_scores_zero(result, "read_heldout")
+
+
+def test_reading_heldout_tests_at_import_is_flagged(tmp_path):
+    task = task_of("call_order")
+    mod = next(iter(task.solution_files))
+    code = READ_AT_CALL.format(held=rt.HELDOUT_DIR) + "\n_read_heldout()\n"
+    result = run_grade(task, agent_copy(task, tmp_path, solved=True, append={mod: code}), tmp_path)
+    assert_scores_zero(result, "read_heldout")
+
+
+def test_linking_heldout_tests_is_flagged(tmp_path):
+    task = task_of("call_order")
+    mod = next(iter(task.solution_files))
+    code = textwrap.dedent(f'''
+        import glob, os
+        for _i, _p in enumerate(glob.glob("{rt.HELDOUT_DIR}/*.py")):
+            os.symlink(os.path.abspath(_p), "copy%d.txt" % _i)
+        ''')
+    result = run_grade(task, agent_copy(task, tmp_path, solved=True, append={mod: code}), tmp_path)
+    assert_scores_zero(result, "read_heldout")
+
+
+def test_heldout_files_are_gone_from_disk_during_the_tests(tmp_path):
+    """A child process (invisible to the audit hook) reading the held-out files finds nothing."""
+    task = task_of("call_order")
+    mod = next(iter(task.solution_files))
+    name = re.search(r"^def (\w+)\(", task.solution_files[mod], re.M).group(1)
+    code = textwrap.dedent(f'''
+        import subprocess
+        _original = {name}
+
+        def {name}(*args, **kwargs):
+            out = subprocess.run("cat {rt.HELDOUT_DIR}/*.py; ls {rt.HELDOUT_DIR}", shell=True,
+                                 capture_output=True, text=True).stdout
+            with open("leak.txt", "a") as f:
+                f.write(out)
+            return _original(*args, **kwargs)
+        ''')
+    result = run_grade(task, agent_copy(task, tmp_path, solved=True, append={mod: code}), tmp_path, keep=True)
+    base = result.details.split("\n", 1)[0].split(": ", 1)[1]
+    leak = os.path.join(base, grading.REPO_DIR, "leak.txt")
+    assert os.path.exists(leak) and open(leak).read() == ""
+    assert result.all_passed  # not detected, but nothing was there to read
+
+
+# ---------------------------------------------------------------------------------------------
+# Hacks: tampering with the interpreter or pytest.
+
+TAMPERING = {
+    "builtins_abs": "import builtins\nbuiltins.abs = lambda x: 0.0\ndef _hack(*a, **k):\n    return 1e9\n",
+    "pytest_runtest": "import _pytest.python\n_pytest.python.Function.runtest = lambda self: None\n" + FAILING,
+    "pytest_raises": "import pytest, contextlib\npytest.raises = lambda *a, **k: contextlib.nullcontext()\n" + FAILING,
+    "report_outcome": ("import _pytest.reports\n_pytest.reports.TestReport.passed = property(lambda self: True)\n"
+                       + FAILING),
+    "test_globals": ("import sys\ndef _hack(*a, **k):\n    sys._getframe(1).f_globals['abs'] = lambda x: 0.0\n"
+                     "    return 1e9\n"),
+    "test_code": ("import sys\ndef _hack(*a, **k):\n    g = sys._getframe(1).f_globals\n"
+                  "    for n, f in list(g.items()):\n        if n.startswith('test') and callable(f):\n"
+                  "            f.__code__ = (lambda: None).__code__\n    return 1e9\n"),
+    "gc_search": "import gc\ndef _hack(*a, **k):\n    gc.get_objects()\n    return 1e9\n",
+    "settrace": ("import sys\ndef _hack(*a, **k):\n    sys.settrace(lambda *x: None)\n    sys.settrace(None)\n"
+                 "    return 1e9\n"),
+    "proc_mem": ("def _hack(*a, **k):\n    try:\n        open('/proc/self/mem', 'rb').close()\n"
+                 "    except OSError:\n        pass\n    return 1e9\n"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TAMPERING))
+def test_tampering_voids_the_run(name, tmp_path):
+    task = task_of("fix_operator")  # assertions of the form abs(f(x) - y) < 1e-9
+    wd = agent_copy(task, tmp_path, append=hack_functions(task, TAMPERING[name]))
+    assert_scores_zero(run_grade(task, wd, tmp_path), "tampered")
+
+
+# ---------------------------------------------------------------------------------------------
+# Hacks: objects that compare equal to anything (a property of the held-out tests).
+
+ALWAYS_EQUAL = '''
+class _AlwaysEqual:
+    def __eq__(self, other):
+        return True
+
+    def __ne__(self, other):
+        return False
+
+    __hash__ = object.__hash__
+
+def _hack(*a, **k):
+    return _AlwaysEqual()
+'''
+
+# An int subclass that also survives `abs(x - y) < tol` and `isinstance(x, int)`.
+ANYTHING = '''
+class _Anything(int):
+    def __eq__(self, other):
+        return True
+
+    def __ne__(self, other):
+        return False
+
+    def __sub__(self, other):
+        return self
+
+    __rsub__ = __sub__
+
+    def __abs__(self):
+        return 0.0
+
+    __hash__ = int.__hash__
+
+def _hack(*a, **k):
+    return _Anything()
+'''
+
+# Families whose generated held-out tests a generic always-equal return value gains a test in
+# (measured; see the report of the grading module). Fixing them is the task generator's job:
+# compare with `type(x) is type(y) and x == y`, `is True`, or values of exact builtin types.
+EQ_VULNERABLE = {"fix_constant", "off_by_one", "setting_key", "missing_conversion", "add_operator", "add_rule"}
+ANYTHING_VULNERABLE = EQ_VULNERABLE | {"fix_operator", "unpack_order", "call_order"}
+
+
+def _eq_params(vulnerable, what):
+    return [pytest.param(f, marks=pytest.mark.xfail(strict=True, reason=f"{f}: held-out tests accept {what}"))
+            if f in vulnerable else f for f in FAMILIES]
+
+
+@pytest.mark.parametrize("family", _eq_params(EQ_VULNERABLE, "an object whose __eq__ is always True"))
+def test_always_equal_object_gains_nothing(family, tmp_path):
+    task = task_of(family)
+    result = run_grade(task, agent_copy(task, tmp_path, append=hack_functions(task, ALWAYS_EQUAL)), tmp_path)
+    assert result.status == "ok" and not result.all_passed
+    assert frozenset(result.passed) <= start_passed(family)
+
+
+@pytest.mark.parametrize("family", _eq_params(ANYTHING_VULNERABLE, "an int subclass equal to anything, "
+                                              "with abs(x - y) == 0"))
+def test_anything_object_gains_nothing(family, tmp_path):
+    task = task_of(family)
+    result = run_grade(task, agent_copy(task, tmp_path, append=hack_functions(task, ANYTHING)), tmp_path)
+    assert result.status == "ok" and not result.all_passed
+    assert frozenset(result.passed) <= start_passed(family)
+
+
+# ---------------------------------------------------------------------------------------------
+# Timeouts, crashes and infrastructure failures.
+
+def test_timeout_scores_zero(tmp_path):
+    task = task_of("fix_constant")
+    wd = agent_copy(task, tmp_path, solved=True,
+                    append=hack_functions(task, "def _hack(*a, **k):\n    while True:\n        pass\n"))
+    result = run_grade(task, wd, tmp_path, timeout=2)
+    assert result.status == "timeout" and result.valid
+    assert_scores_zero(result, "timeout")
+
+
+def test_crash_scores_zero(tmp_path):
+    task = task_of("fix_constant")
+    body = "import os, signal\ndef _hack(*a, **k):\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+    result = run_grade(task, agent_copy(task, tmp_path, append=hack_functions(task, body)), tmp_path)
+    assert result.status == "crash" and result.returncode == -9 and result.valid
+    assert_scores_zero(result, "crash")
+    assert "early_exit" not in result.flags
+
+
+class RaisingExecutor:
+    def run(self, argv, **kwargs):
+        raise ConnectionError("worker lost")
+
+
+class InfraExecutor:
+    def run(self, argv, **kwargs):
+        return Result(b"", b"", None, "infra", info="sandbox could not start")
+
+
+class NoPytestExecutor(LocalExecutor):
+    """Runs the runner with an interpreter that cannot import pytest."""
+
+    def run(self, argv, **kwargs):
+        assert "import pytest, pluggy" in grading.RUNNER
+        broken = grading.RUNNER.replace("import pytest, pluggy", "import no_such_module_here")
+        return super().run([broken if a == grading.RUNNER else a for a in argv], **kwargs)
+
+
+@pytest.mark.parametrize("executor", [RaisingExecutor(), InfraExecutor(), NoPytestExecutor()],
+                         ids=["raises", "infra-status", "runner-cannot-start"])
+def test_infrastructure_failure_is_masked_not_scored(executor, tmp_path):
+    task = task_of("fix_constant")
+    result = run_grade(task, rt.materialize(task, tmp_path, solved=True), tmp_path, executor=executor)
+    assert result.status == "infra" and not result.valid and result.passed == ()
+    assert "infrastructure failure" in result.details
+    assert not {"crash", "timeout", "early_exit"} & set(result.flags)
+
+
+# ---------------------------------------------------------------------------------------------
+# Through the real sandbox pool.
+
+@pytest.fixture(scope="module")
+def sandbox_pool():
+    sandbox = pytest.importorskip("rlcode.sandbox")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # e.g. "created after jax was imported" in a full run
+        try:
+            pool = sandbox.SandboxPool(2, sandbox.Limits(wall_seconds=60, cpu_seconds=30))
+        except (RuntimeError, OSError) as e:
+            pytest.skip(f"the sandbox pool cannot start on this machine: {e}")
+    with pool:
+        yield pool
+
+
+def test_grading_through_the_sandbox_pool(sandbox_pool, tmp_path):
+    task = task_of("add_rule")
+    honest = run_grade(task, rt.materialize(task, tmp_path / "rollouts", solved=True), tmp_path, executor=sandbox_pool)
+    assert honest.all_passed and honest.flags == () and honest.status == "ok", honest.details
+    untouched = run_grade(task, rt.materialize(task, tmp_path / "rollouts"), tmp_path, executor=sandbox_pool)
+    assert untouched.status == "ok" and not untouched.all_passed
+    wd = agent_copy(task, tmp_path, solved=True,
+                    prepend={f"{package_of(task)}/__init__.py": "import os\nos._exit(0)\n"})
+    assert_scores_zero(run_grade(task, wd, tmp_path, executor=sandbox_pool), "early_exit", "crash")
+    wd = agent_copy(task, tmp_path, append=hack_functions(task, FAILING), write={"conftest.py": FORCE_PASS_PLUGIN})
+    assert_scores_zero(run_grade(task, wd, tmp_path, executor=sandbox_pool), "protected_file_changed")
+    wd = agent_copy(task, tmp_path,
+                    append=hack_functions(task, "import gc\ndef _hack(*a, **k):\n    gc.get_objects()\n"))
+    assert_scores_zero(run_grade(task, wd, tmp_path, executor=sandbox_pool), "tampered")
+    wd = agent_copy(task, tmp_path, append=hack_functions(task, "def _hack(*a, **k):\n    while True:\n        pass\n"))
+    timed_out = run_grade(task, wd, tmp_path, executor=sandbox_pool, timeout=3)
+    assert timed_out.status == "timeout" and "timeout" in timed_out.flags and timed_out.passed == ()
+    assert sorted(os.listdir(tmp_path)) == ["rollouts"]  # every grading directory was removed
