@@ -7,6 +7,9 @@ the error surfaces as a `JaxRuntimeError` whose message contains the text below)
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,3 +41,18 @@ def one_of(value: str, allowed: tuple[str, ...], field: str) -> str:
     if value not in allowed:
         raise ValueError(f"{field}={value!r} is not one of {allowed}")
     return value
+
+
+def config_get(config: Any, name: str, default: Any) -> Any:
+    """Field `name` of a ConfigDict, dataclass or mapping, or `default` when it has none."""
+    if isinstance(config, Mapping):
+        return config.get(name, default)
+    return getattr(config, name, default)
+
+
+def apply_overrides(cfg: Any, overrides: Mapping[str, Any], section: str) -> None:
+    """Set known fields of a ConfigDict; an unknown field is a ValueError naming the section."""
+    for key, value in overrides.items():
+        if key not in cfg:
+            raise ValueError(f"unknown {section} config field {key!r}; known: {sorted(cfg.keys())}")
+        setattr(cfg, key, value)

@@ -16,7 +16,7 @@ computed in log space, clamped to [-20, 20], in float32 (or wider) whatever the 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import ml_collections
 from ml_collections import config_dict
 
-from rlcode.checks import one_of
+from rlcode.checks import apply_overrides, config_get, one_of
 
 POLICY_KINDS = ("ppo", "gspo", "gspo_token", "cispo", "reinforce")
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -86,18 +86,9 @@ def loss_config(**overrides: Any) -> ml_collections.ConfigDict:
     cfg.entropy_coef = 0.0
     cfg.value_coef = 0.0
     cfg.value_clip = 0.2
-    for key, value in overrides.items():
-        if key not in cfg:
-            raise ValueError(f"unknown loss config field {key!r}; known: {sorted(cfg.keys())}")
-        setattr(cfg, key, value)
+    apply_overrides(cfg, overrides, "loss")
     validate_loss_config(cfg)
     return cfg
-
-
-def _get(config: Any, name: str, default: Any) -> Any:
-    if isinstance(config, Mapping):
-        return config.get(name, default)
-    return getattr(config, name, default)
 
 
 def _is_number(x: Any) -> bool:
@@ -107,7 +98,7 @@ def _is_number(x: Any) -> bool:
 def read_policy_config(config: Any) -> PolicyLossConfig:
     """Read a ConfigDict / dict / dataclass into a validated, frozen `PolicyLossConfig`."""
     defaults = PolicyLossConfig()
-    values = {f.name: _get(config, f.name, getattr(defaults, f.name)) for f in dataclasses.fields(defaults)}
+    values = {f.name: config_get(config, f.name, getattr(defaults, f.name)) for f in dataclasses.fields(defaults)}
     cfg = PolicyLossConfig(**values)
     one_of(cfg.kind, POLICY_KINDS, "loss.kind")
     one_of(cfg.agg, AGG_MODES, "loss.agg")
@@ -133,10 +124,10 @@ def read_policy_config(config: Any) -> PolicyLossConfig:
 def validate_loss_config(config: Any) -> None:
     """Raise ValueError naming the field if a `loss` config section is invalid."""
     read_policy_config(config)
-    one_of(_get(config, "kl_kind", "k3"), KL_KINDS, "loss.kl_kind")
-    one_of(_get(config, "kl_penalty", "loss"), ("loss", "reward"), "loss.kl_penalty")
+    one_of(config_get(config, "kl_kind", "k3"), KL_KINDS, "loss.kl_kind")
+    one_of(config_get(config, "kl_penalty", "loss"), ("loss", "reward"), "loss.kl_penalty")
     for name in ("kl_coef", "entropy_coef", "value_coef", "value_clip"):
-        value = _get(config, name, 0.0)
+        value = config_get(config, name, 0.0)
         if _is_number(value) and value < 0:
             raise ValueError(f"loss.{name} must be >= 0, got {value}")
 
@@ -594,17 +585,17 @@ def objective_terms(
     pol = read_policy_config(config)
     num, den, metrics = policy_loss_terms(logp, old_logp, advantages, mask, pol, behavior_logp)
 
-    kl_coef = _get(config, "kl_coef", 0.0)
-    kl_in_loss = kl_coef > 0 and _get(config, "kl_penalty", "loss") == "loss"
+    kl_coef = config_get(config, "kl_coef", 0.0)
+    kl_in_loss = kl_coef > 0 and config_get(config, "kl_penalty", "loss") == "loss"
     if kl_in_loss and ref_logp is None:
         raise ValueError("loss.kl_coef > 0 needs ref_logp (the reference policy's log-probs)")
     if ref_logp is not None:
-        kl_num, _ = aggregate(kl_divergence(logp, ref_logp, _get(config, "kl_kind", "k3")), mask, pol.agg, pol.norm_length)
+        kl_num, _ = aggregate(kl_divergence(logp, ref_logp, config_get(config, "kl_kind", "k3")), mask, pol.agg, pol.norm_length)
         metrics["kl_ref"] = jax.lax.stop_gradient(divide(kl_num, den))
         if kl_in_loss:
             num = num + kl_coef * kl_num
 
-    entropy_coef = _get(config, "entropy_coef", 0.0)
+    entropy_coef = config_get(config, "entropy_coef", 0.0)
     if entropy_coef > 0 and entropy is None:
         raise ValueError("loss.entropy_coef > 0 needs the per-token entropy")
     if entropy is not None:
@@ -613,12 +604,12 @@ def objective_terms(
         if entropy_coef > 0:
             num = num - entropy_coef * ent_num
 
-    value_coef = _get(config, "value_coef", 0.0)
+    value_coef = config_get(config, "value_coef", 0.0)
     if value_coef > 0:
         if values is None or old_values is None or returns is None:
             raise ValueError("loss.value_coef > 0 needs values, old_values and returns")
         v_num, _, v_metrics = value_loss_terms(
-            values, old_values, returns, mask, _get(config, "value_clip", None), pol.agg, pol.norm_length
+            values, old_values, returns, mask, config_get(config, "value_clip", None), pol.agg, pol.norm_length
         )
         metrics.update(v_metrics)
         num = num + value_coef * v_num

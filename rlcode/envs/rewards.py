@@ -43,11 +43,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
 from typing import Any
 
 import ml_collections
 
+from rlcode.checks import apply_overrides, config_get
 from rlcode.envs import grading
 
 TEST_REWARDS = ("pass_fraction", "all_pass")
@@ -86,18 +86,9 @@ class RewardConfig:
 def reward_config(**overrides: Any) -> ml_collections.ConfigDict:
     """Default ``reward`` section of an experiment config (the `RewardConfig` fields)."""
     cfg = ml_collections.ConfigDict({f.name: f.default for f in dataclasses.fields(RewardConfig)})
-    for key, value in overrides.items():
-        if key not in cfg:
-            raise ValueError(f"unknown reward config field {key!r}; known: {sorted(cfg.keys())}")
-        setattr(cfg, key, value)
+    apply_overrides(cfg, overrides, "reward")
     read_reward_config(cfg)
     return cfg
-
-
-def _get(config: Any, name: str, default: Any) -> Any:
-    if isinstance(config, Mapping):
-        return config.get(name, default)
-    return getattr(config, name, default)
 
 
 def read_reward_config(config: Any = None) -> RewardConfig:
@@ -107,7 +98,7 @@ def read_reward_config(config: Any = None) -> RewardConfig:
         values = dataclasses.asdict(config)
     else:
         defaults = RewardConfig()
-        values = {f.name: _get(config, f.name, getattr(defaults, f.name))
+        values = {f.name: config_get(config, f.name, getattr(defaults, f.name))
                   for f in dataclasses.fields(RewardConfig)} if config is not None else dataclasses.asdict(defaults)
     if isinstance(values["hack_flags"], str):
         raise ValueError(f"reward.hack_flags must be a sequence of flag names, got {values['hack_flags']!r}")
