@@ -101,10 +101,10 @@ results by value (the function under test called through a pipe, with JSON in an
 deadline), evaluate the held-out assertions in a grader process that never imports candidate
 code, and never put the test file in the candidate's filesystem view.
 
-The held-out tests are also only as strong as their assertions: ``assert f(x) == 5`` is passed
-by an object whose ``__eq__`` always returns True, and ``abs(f(x) - y) < 1e-9`` by one whose
-subtraction and ``abs`` return 0 (tests/rlcode/envs/test_grading.py measures which task
-families are affected).
+The held-out tests are also only as strong as their assertions: ``assert f(x) == 5`` alone is
+passed by an object whose ``__eq__`` always returns True. The generated tasks therefore check the
+exact type before the value (``same(result, expected)`` in `rlcode.envs.repo_tasks`), and
+tests/rlcode/envs/test_grading.py checks that always-equal objects score 0 in every family.
 """
 
 from __future__ import annotations

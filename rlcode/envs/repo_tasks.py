@@ -109,9 +109,28 @@ def _package_name(rng: random.Random) -> str:
     return f"{rng.choice(_ADJECTIVES)}_{rng.choice(_NOUNS)}"
 
 
-def _close(value: Any) -> str:
-    """Assertion right-hand side for a float result."""
-    return f"{float(value)!r}"
+# Defined in every generated test module that compares results: a comparison that checks the
+# exact type first, so that a look-alike return value (an object whose ``__eq__`` is always True,
+# an ``int`` subclass equal to everything with ``abs(x - y) == 0``) passes no test.
+_SAME = '''
+def same(result, expected):
+    """`result` has the exact type of `expected` and equals it (element by element for lists and
+    tuples); an expected float is matched by an int or a float within 1e-9."""
+    if type(expected) is float:
+        return type(result) in (int, float) and abs(result - expected) < 1e-9
+    if type(result) is not type(expected):
+        return False
+    if type(expected) in (list, tuple):
+        return len(result) == len(expected) and all(same(r, e) for r, e in zip(result, expected))
+    return result == expected
+'''
+
+
+def _same(call: str, value: Any) -> str:
+    """An assertion line: `call` evaluates to `value`, type-exactly (see `_SAME`). Simple string
+    literals are written in double quotes, as in the rest of the generated tests."""
+    line = f"    assert same({call}, {value!r})"
+    return re.sub(r"'([^'\"\\]*)'", r'"\1"', line)
 
 
 def _draw(rng: random.Random, sample: Callable[[], Any], ok: Callable[[Any], bool],
@@ -127,6 +146,8 @@ def _draw(rng: random.Random, sample: Callable[[], Any], ok: Callable[[Any], boo
 def _test_module(imports: str, cases: list[str]) -> str:
     # A test function may draw the same input twice; keep each assertion once.
     cases = ["\n".join(dict.fromkeys(case.split("\n"))) for case in cases]
+    if any("same(" in case for case in cases):
+        cases = [_SAME.strip("\n"), *cases]
     body = "\n\n\n".join(cases)
     return f"{imports}\n\n\n{body}\n"
 
@@ -207,7 +228,7 @@ def _fix_operator(rng: random.Random) -> _Parts:
     def case(f_name, f_params, f_good, f_kind, must_differ):
         args = _draw(rng, lambda: _formula_args(rng, f_kind), differs if must_differ else (lambda a: True))
         value = _eval_expr(f_good, f_params, args)
-        return f"    assert abs({f_name}({', '.join(repr(a) for a in args)}) - {_close(value)}) < 1e-9"
+        return _same(f"{f_name}({', '.join(repr(a) for a in args)})", value)
 
     visible = [f"def test_{name}():\n" + case(name, params, good, kind, True)]
     heldout = [f"def test_{name}_values():\n" + "\n".join(case(name, params, good, kind, True)
@@ -254,10 +275,10 @@ def _fix_constant(rng: random.Random) -> _Parts:
     source = f'"""Unit conversions."""\n\n{consts}\n\n{funcs}'
 
     def cases(f, v, n):
-        return "\n".join(f"    assert {f}({a}) == {a * v}" for a in rng.sample(range(1, 50), n))
+        return "\n".join(_same(f"{f}({a})", a * v) for a in rng.sample(range(1, 50), n))
 
     vis_path, held_path = f"{TEST_DIR}/test_{mod}.py", f"{HELDOUT_DIR}/test_{mod}_heldout.py"
-    heldout = [f"def test_{fn}():\n{cases(fn, good, 4)}\n    assert {fn}(0) == 0"]
+    heldout = [f"def test_{fn}():\n{cases(fn, good, 4)}\n{_same(f'{fn}(0)', 0)}"]
     heldout += [f"def test_{f}_unchanged():\n{cases(f, v, 2)}" for _, v, f, *_ in chosen[1:]]
     return _Parts(
         instruction=_instruction(f"`{fn}` in `{path}` converts incorrectly: one {unit} is {good} "
@@ -302,7 +323,7 @@ def _fix_comparison(rng: random.Random) -> _Parts:
         cond = bad if f == name else f_good.format(k=ks[f])
         funcs.append(f'def {f}({p}):\n    """Rule: {f_rule.format(k=ks[f])}."""\n    return {cond}\n')
     path = f"{pkg}/{mod}.py"
-    source = f'"""Business rules."""\n\n\n' + "\n\n".join(funcs)
+    source = '"""Business rules."""\n\n\n' + "\n\n".join(funcs)
 
     def cases(f, p, f_good, kk):
         values = sorted({kk - 3, kk - 1, kk, kk + 1, kk + 4})
@@ -352,7 +373,7 @@ def _off_by_one(rng: random.Random) -> _Parts:
     rng.shuffle(order)
     funcs = [f'def {f}({s}):\n    """{d}"""\n' + (bad if f == name else g) for f, s, d, _, g, _, _ in order]
     path = f"{pkg}/{mod}.py"
-    source = f'"""Counting helpers."""\n\n\n' + "\n\n".join(funcs)
+    source = '"""Counting helpers."""\n\n\n' + "\n\n".join(funcs)
 
     def buggy(*args):
         scope: dict[str, Any] = {}
@@ -364,7 +385,7 @@ def _off_by_one(rng: random.Random) -> _Parts:
         for _ in range(n):
             args = _draw(rng, lambda: f_sample(rng),
                          (lambda a: buggy(*a) != f_ref(*a)) if separate else (lambda a: True))
-            lines.append(f"    assert {f}({', '.join(repr(a) for a in args)}) == {f_ref(*args)!r}")
+            lines.append(_same(f"{f}({', '.join(repr(a) for a in args)})", f_ref(*args)))
         return "\n".join(lines)
 
     vis_path, held_path = f"{TEST_DIR}/test_{mod}.py", f"{HELDOUT_DIR}/test_{mod}_heldout.py"
@@ -421,12 +442,14 @@ def _setting_key(rng: random.Random) -> _Parts:
     others = [c for c in chosen[1:]]
     vis_path, held_path = f"{TEST_DIR}/test_{client}.py", f"{HELDOUT_DIR}/test_{client}_heldout.py"
     override = rng.randint(100, 999)
-    visible = [f"def test_{getter}_default():\n    assert {getter}() == {defaults[key]}"]
-    heldout = [f"def test_{getter}():\n    assert {getter}() == {defaults[key]}\n"
-               f"    assert {getter}({{\"{key}\": {override}}}) == {override}\n"
-               f"    assert {getter}({{\"other\": 1}}) == {defaults[key]}"]
-    heldout += [f"def test_{g}_unchanged():\n    assert {g}() == {defaults[k]}\n"
-                f"    assert {g}({{\"{k}\": {override + 1}}}) == {override + 1}" for k, _, g, _, _ in others]
+    visible = [f"def test_{getter}_default():\n" + _same(f"{getter}()", defaults[key])]
+    heldout = [f"def test_{getter}():\n" + "\n".join((
+                   _same(f"{getter}()", defaults[key]),
+                   _same(f"{getter}({{{key!r}: {override}}})", override),
+                   _same(f"{getter}({{'other': 1}})", defaults[key])))]
+    heldout += [f"def test_{g}_unchanged():\n" + "\n".join((
+                    _same(f"{g}()", defaults[k]),
+                    _same(f"{g}({{{k!r}: {override + 1}}})", override + 1))) for k, _, g, _, _ in others]
     return _Parts(
         instruction=_instruction(f"`{getter}()` in `{client_path}` raises KeyError instead of "
                                  f"returning the configured {desc}. Fix it.", [vis_path]),
@@ -483,13 +506,14 @@ def _unpack_order(rng: random.Random) -> _Parts:
     def case():
         values = _draw(rng, lambda: [rng.randint(1, 30) for _ in range(rng.randint(3, 6))],
                        lambda v: abs(correct(v) - buggy(v)) > 1e-6)
-        return f"    assert abs({caller}({values!r}) - {_close(correct(values))}) < 1e-9"
+        return _same(f"{caller}({values!r})", correct(values))
 
     vis_path, held_path = f"{TEST_DIR}/test_{report}.py", f"{HELDOUT_DIR}/test_{report}_heldout.py"
     check = [1, 2, 3, 4]
     heldout = [f"def test_{caller}():\n" + "\n".join(case() for _ in range(4)),
-               f"def test_{helper}_unchanged():\n    assert {helper}({check!r}) == "
-               f"({eval(efirst, {}, {'values': check})!r}, {eval(esecond, {}, {'values': check})!r})"]
+               f"def test_{helper}_unchanged():\n"
+               + _same(f"{helper}({check!r})", (eval(efirst, {}, {"values": check}),
+                                                eval(esecond, {}, {"values": check})))]
     return _Parts(
         instruction=_instruction(f"`{caller}` in `{report_path}` returns wrong values. Its "
                                  f"docstring says: \"{cdoc}\" Fix it.", [vis_path]),
@@ -583,7 +607,7 @@ def _call_order(rng: random.Random) -> _Parts:
 
     def case():
         args = _draw(rng, sample, lambda a: abs(ref(*a) - bug(*a)) > 1e-6)
-        return f"    assert abs({func}({', '.join(map(repr, args))}) - {_close(ref(*args))}) < 1e-9"
+        return _same(f"{func}({', '.join(map(repr, args))})", ref(*args))
 
     vis_path, held_path = f"{TEST_DIR}/test_{mod}.py", f"{HELDOUT_DIR}/test_{mod}_heldout.py"
     return _Parts(
@@ -636,7 +660,7 @@ def _missing_conversion(rng: random.Random) -> _Parts:
 
     def case():
         names = rng.sample(items, rng.randint(1, 4))
-        return f"    assert {func}({names!r}) == {sum(round(values[n] * factor) for n in names)}"
+        return _same(f"{func}({names!r})", sum(round(values[n] * factor) for n in names))
 
     vis_path, held_path = f"{TEST_DIR}/test_{mod}.py", f"{HELDOUT_DIR}/test_{mod}_heldout.py"
     return _Parts(
@@ -646,8 +670,8 @@ def _missing_conversion(rng: random.Random) -> _Parts:
         visible_tests={vis_path: _test_module(f"from {pkg}.{mod} import {func}", [f"def test_{func}():\n{case()}"])},
         heldout_tests={held_path: _test_module(
             f"from {pkg}.{mod} import {func}",
-            [f"def test_{func}():\n" + "\n".join(case() for _ in range(4)) + f"\n    assert {func}([]) == 0",
-             f"def test_{func}_type():\n    assert isinstance({func}([{items[0]!r}]), int)"])},
+            [f"def test_{func}():\n" + "\n".join(case() for _ in range(4)) + f"\n{_same(f'{func}([])', 0)}",
+             f"def test_{func}_type():\n    assert type({func}([\"{items[0]}\"])) is int"])},
         edits=[Edit(mod_path, bad, good)],
         reads=[mod_path, units_path],
         grep=conv)
@@ -671,7 +695,7 @@ def _add_operator(rng: random.Random) -> _Parts:
     ops, calc = rng.choice((("ops", "calc"), ("operations", "calculator"), ("arith", "evaluator")))
     ops_path, calc_path = f"{pkg}/{ops}.py", f"{pkg}/{calc}.py"
     sym, fname, expr, desc, sample = rng.choice(_NEW_OPERATORS)
-    ops_src = _code(f'''
+    ops_src = _code('''
         """Binary operations of the calculator."""
 
 
@@ -710,18 +734,18 @@ def _add_operator(rng: random.Random) -> _Parts:
         a, b = sample(rng)
         value = eval(expr, {}, {"a": a, "b": b})
         if kind == "ops":
-            return f"    assert {ops}.{fname}({a}, {b}) == {value}"
-        return f"    assert evaluate(\"{a} {sym} {b}\") == {value}"
+            return _same(f"{ops}.{fname}({a}, {b})", value)
+        return _same(f"evaluate(\"{a} {sym} {b}\")", value)
 
     vis_path, held_path = f"{TEST_DIR}/test_{calc}.py", f"{HELDOUT_DIR}/test_{calc}_heldout.py"
     imports = f"import pytest\n\nfrom {pkg} import {ops}\nfrom {pkg}.{calc} import evaluate"
-    visible = ["def test_existing_operators():\n    assert evaluate(\"2 + 3\") == 5\n"
-               "    assert evaluate(\"2 - 3\") == -1\n    assert evaluate(\"4 * 3\") == 12",
+    visible = ["def test_existing_operators():\n" + "\n".join(
+                   _same(f"evaluate({e!r})", v) for e, v in (("2 + 3", 5), ("2 - 3", -1), ("4 * 3", 12))),
                f"def test_{fname}():\n{case('eval')}"]
     heldout = [f"def test_{fname}_function():\n" + "\n".join(case("ops") for _ in range(3)),
                f"def test_{fname}_operator():\n" + "\n".join(case("eval") for _ in range(3)),
-               "def test_existing_operators():\n    assert evaluate(\"7 + 5\") == 12\n"
-               "    assert evaluate(\"7 * 5\") == 35",
+               "def test_existing_operators():\n" + "\n".join(
+                   _same(f"evaluate({e!r})", v) for e, v in (("7 + 5", 12), ("7 * 5", 35))),
                "def test_unknown_operator():\n    with pytest.raises(ValueError):\n        evaluate(\"1 ? 2\")"]
     last = "def multiply(a, b):\n    return a * b\n"
     return _Parts(
@@ -798,11 +822,11 @@ def _add_field(rng: random.Random) -> _Parts:
     def line_case():
         p, q, x = price(), rng.randint(1, 5), sample(rng)
         line = f"line_total({cls}(\"x\", {p!r}, {q}, {field}={x!r}))"
-        return f"    assert abs({line} - {_close(expected(p, q, x))}) < 1e-9"
+        return _same(line, expected(p, q, x))
 
     def default_case():
         p, q = price(), rng.randint(1, 5)
-        return f"    assert abs(line_total({cls}(\"x\", {p!r}, {q})) - {_close(p * q)}) < 1e-9"
+        return _same(f"line_total({cls}(\"x\", {p!r}, {q}))", p * q)
 
     lines = [(price(), rng.randint(1, 4), sample(rng)) for _ in range(3)]
     order_items = ", ".join(f"{cls}(\"i{i}\", {p!r}, {q}, {field}={x!r})" for i, (p, q, x) in enumerate(lines))
@@ -811,8 +835,8 @@ def _add_field(rng: random.Random) -> _Parts:
     vis_path, held_path = f"{TEST_DIR}/test_{pricing}.py", f"{HELDOUT_DIR}/test_{pricing}_heldout.py"
     visible = [f"def test_line_total_default():\n{default_case()}", f"def test_line_total_{field}():\n{line_case()}"]
     heldout = [f"def test_line_total_{field}():\n" + "\n".join(line_case() for _ in range(3)),
-               f"def test_default_{field}():\n    assert {cls}(\"x\", 1.0).{field} == 0\n{default_case()}",
-               f"def test_order_total():\n    assert abs(order_total([{order_items}]) - {_close(order_value)}) < 1e-9"]
+               f"def test_default_{field}():\n" + _same(f"{cls}('x', 1.0).{field}", 0.0) + f"\n{default_case()}",
+               f"def test_order_total():\n{_same(f'order_total([{order_items}])', order_value)}"]
     return _Parts(
         instruction=_instruction(
             f"Add a `{field}` field to `{cls}` in `{models_path}`: {desc}. It defaults to 0, comes "
@@ -878,15 +902,15 @@ def _add_rule(rng: random.Random) -> _Parts:
         ''')
     imports = f"from {pkg} import {rules}\nfrom {pkg}.{validate} import failures"
     vis_path, held_path = f"{TEST_DIR}/test_{validate}.py", f"{HELDOUT_DIR}/test_{validate}_heldout.py"
-    visible = ["def test_existing_rules():\n    assert failures(\"abc\", \"non_empty\", \"alpha\") == []\n"
-               "    assert failures(\"\", \"non_empty\") == [\"non_empty\"]",
-               f"def test_{rule}():\n    assert failures({good[0]!r}, \"{rule}\") == []\n"
-               f"    assert failures({bad[0]!r}, \"{rule}\") == [\"{rule}\"]"]
+    visible = ["def test_existing_rules():\n" + _same('failures("abc", "non_empty", "alpha")', []) + "\n"
+               + _same('failures("", "non_empty")', ["non_empty"]),
+               f"def test_{rule}():\n{_same(f'failures({good[0]!r}, {rule!r})', [])}\n"
+               f"{_same(f'failures({bad[0]!r}, {rule!r})', [rule])}"]
     heldout = [f"def test_{fname}():\n" + "".join(f"    assert {rules}.{fname}({v!r}) is True\n" for v in good)
                + "".join(f"    assert {rules}.{fname}({v!r}) is False\n" for v in bad).rstrip("\n"),
-               f"def test_{rule}_rule():\n" + "".join(f"    assert failures({v!r}, \"{rule}\") == []\n" for v in good)
-               + "".join(f"    assert failures({v!r}, \"{rule}\") == [\"{rule}\"]\n" for v in bad).rstrip("\n"),
-               "def test_existing_rules():\n    assert failures(\"a1\", \"alpha\", \"non_empty\") == [\"alpha\"]"]
+               f"def test_{rule}_rule():\n" + "".join(_same(f"failures({v!r}, {rule!r})", []) + "\n" for v in good)
+               + "".join(_same(f"failures({v!r}, {rule!r})", [rule]) + "\n" for v in bad).rstrip("\n"),
+               "def test_existing_rules():\n" + _same('failures("a1", "alpha", "non_empty")', ["alpha"])]
     last = "def is_alpha(value):\n    return value.isalpha()\n"
     return _Parts(
         instruction=_instruction(

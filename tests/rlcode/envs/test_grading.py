@@ -442,7 +442,8 @@ def test_failure_details_show_the_assertion_but_not_the_test_source(tmp_path):
     task = task_of("fix_constant")
     result = run_grade(task, rt.materialize(task, tmp_path / "rollouts"), tmp_path)
     assert f"FAILED {result.failed[0]}" in result.details
-    assert re.search(r"E +assert \d+ == \d+", result.details), result.details
+    # The values compared (actual, then expected) are shown, e.g. "where False = same(25, 35)".
+    assert re.search(r"E .*where False = same\(\d+, \d+\)", result.details), result.details
     held = next(iter(task.heldout_tests.values()))
     assert not any(line.strip() in result.details for line in held.splitlines() if line.startswith("    assert"))
 
@@ -890,33 +891,24 @@ def _hack(*a, **k):
     return _Anything()
 '''
 
-# Families whose generated held-out tests a generic always-equal return value gains a test in
-# (measured; see the report of the grading module). Fixing them is the task generator's job:
-# compare with `type(x) is type(y) and x == y`, `is True`, or values of exact builtin types.
-EQ_VULNERABLE = {"fix_constant", "off_by_one", "setting_key", "missing_conversion", "add_operator", "add_rule"}
-ANYTHING_VULNERABLE = EQ_VULNERABLE | {"fix_operator", "unpack_order", "call_order"}
+# The generated tests compare results type-exactly (`same` in the generated test modules, `is True`
+# / `is False` for booleans), so neither look-alike earns a held-out test in any family: every
+# test calls a replaced function and rejects what it returns.
 
-
-def _eq_params(vulnerable, what):
-    return [pytest.param(f, marks=pytest.mark.xfail(strict=True, reason=f"{f}: held-out tests accept {what}"))
-            if f in vulnerable else f for f in FAMILIES]
-
-
-@pytest.mark.parametrize("family", _eq_params(EQ_VULNERABLE, "an object whose __eq__ is always True"))
-def test_always_equal_object_gains_nothing(family, tmp_path):
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_always_equal_object_scores_zero(family, tmp_path):
     task = task_of(family)
     result = run_grade(task, agent_copy(task, tmp_path, append=hack_functions(task, ALWAYS_EQUAL)), tmp_path)
-    assert result.status == "ok" and not result.all_passed
-    assert frozenset(result.passed) <= start_passed(family)
+    assert result.status == "ok"
+    assert_scores_zero(result)
 
 
-@pytest.mark.parametrize("family", _eq_params(ANYTHING_VULNERABLE, "an int subclass equal to anything, "
-                                              "with abs(x - y) == 0"))
-def test_anything_object_gains_nothing(family, tmp_path):
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_anything_object_scores_zero(family, tmp_path):
     task = task_of(family)
     result = run_grade(task, agent_copy(task, tmp_path, append=hack_functions(task, ANYTHING)), tmp_path)
-    assert result.status == "ok" and not result.all_passed
-    assert frozenset(result.passed) <= start_passed(family)
+    assert result.status == "ok"
+    assert_scores_zero(result)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,7 +14,6 @@ import json
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
