@@ -24,32 +24,7 @@ import pytest
 
 from rlcode.envs import grading
 from rlcode.envs import repo_tasks as rt
-
-
-@dataclasses.dataclass
-class Result:
-    stdout: bytes
-    stderr: bytes
-    returncode: int | None
-    status: str
-    info: str = ""
-
-
-class LocalExecutor:
-    """Test double of the sandbox pool: a plain subprocess in `workdir`, with a timeout."""
-
-    def __init__(self, record=False):
-        self.calls = [] if record else None
-
-    def run(self, argv, *, files=None, stdin=None, timeout, workdir=None):
-        if self.calls is not None:
-            self.calls.append((list(argv), stdin, timeout, workdir))
-        try:
-            proc = subprocess.run(argv, cwd=workdir, input=None if stdin is None else stdin.encode(),
-                                  capture_output=True, timeout=timeout)
-        except subprocess.TimeoutExpired as e:
-            return Result(e.stdout or b"", e.stderr or b"", None, "timeout")
-        return Result(proc.stdout, proc.stderr, proc.returncode, "ok" if proc.returncode == 0 else "error")
+from local_executor import LocalExecutor, Result  # this test directory is on sys.path
 
 
 EXECUTOR = LocalExecutor()
@@ -426,7 +401,7 @@ def test_reference_solution_passes_and_starting_copy_does_not(family, tmp_path):
 
 def test_runner_gets_nonce_on_stdin_and_a_clean_directory(tmp_path):
     task = task_of("fix_operator")
-    executor = LocalExecutor(record=True)
+    executor = LocalExecutor()
     wd = rt.materialize(task, tmp_path / "rollouts", solved=True)
     assert run_grade(task, wd, tmp_path, executor=executor).all_passed
     (argv, stdin, timeout, workdir), = executor.calls

@@ -6,7 +6,6 @@ episodes, and self-summarisation splits an episode into consistent segments.
 Commands go through `LocalExecutor`, a test double running them with `subprocess.run` in the
 working copy (no isolation; the sandbox is tested on its own)."""
 
-import dataclasses
 import json
 import os
 import shutil
@@ -19,31 +18,7 @@ import pytest
 
 from rlcode import tokenizer as tk
 from rlcode.envs import harness, repo_tasks as rt, tools
-
-
-@dataclasses.dataclass
-class Result:
-    stdout: str
-    stderr: str
-    returncode: int | None
-    status: str
-    stdout_truncated: bool = False
-    stderr_truncated: bool = False
-    wall_time: float = 0.0
-
-
-class LocalExecutor:
-    """Test double of the sandbox pool: a plain subprocess in `workdir`, with a timeout."""
-
-    def run(self, argv, *, files=None, stdin=None, timeout, workdir=None):
-        start = time.monotonic()
-        try:
-            proc = subprocess.run(argv, cwd=workdir, input=stdin, capture_output=True, text=True,
-                                  timeout=timeout, errors="replace")
-        except subprocess.TimeoutExpired:
-            return Result("", "", None, "timeout", wall_time=time.monotonic() - start)
-        return Result(proc.stdout, proc.stderr, proc.returncode, "ok" if proc.returncode == 0 else "error",
-                      wall_time=time.monotonic() - start)
+from local_executor import LocalExecutor, Result  # this test directory is on sys.path
 
 
 TOK = tk.ByteTokenizer()

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import subprocess
 
 import ml_collections
 import pytest
 
 from rlcode.envs import grading, harness, rewards
 from rlcode.envs import repo_tasks as rt
+from local_executor import LocalExecutor  # this test directory is on sys.path
 
 # sigmoid(0), sigmoid(1), sigmoid(-3), computed by hand: 1 / (1 + e^-x).
 SIG0, SIG1, SIG_M3 = 0.5, 0.7310585786300049, 0.04742587317756678
@@ -156,22 +156,6 @@ def test_config_readers():
         with pytest.raises(ValueError, match=field):
             rewards.read_reward_config(bad)
     assert set(rewards.DEFAULT_HACK_FLAGS) <= set(grading.FLAGS)
-
-
-@dataclasses.dataclass
-class Result:
-    stdout: bytes
-    stderr: bytes
-    returncode: int | None
-    status: str
-
-
-class LocalExecutor:
-    """Test double of the sandbox pool: a plain subprocess in `workdir`."""
-
-    def run(self, argv, *, files=None, stdin=None, timeout, workdir=None):
-        proc = subprocess.run(argv, cwd=workdir, input=stdin.encode(), capture_output=True, timeout=timeout)
-        return Result(proc.stdout, proc.stderr, proc.returncode, "ok" if proc.returncode == 0 else "error")
 
 
 def test_end_to_end_with_real_grades(tmp_path):

@@ -9,7 +9,6 @@ import dataclasses
 import inspect
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -17,36 +16,7 @@ import time
 import pytest
 
 from rlcode.envs import tools
-
-
-@dataclasses.dataclass
-class Result:
-    stdout: str
-    stderr: str
-    returncode: int | None
-    status: str
-    stdout_truncated: bool = False
-    stderr_truncated: bool = False
-    wall_time: float = 0.0
-
-
-class LocalExecutor:
-    """Test double of the sandbox pool: a plain subprocess in `workdir`, with a timeout."""
-
-    def __init__(self):
-        self.calls = []
-
-    def run(self, argv, *, files=None, stdin=None, timeout, workdir=None):
-        self.calls.append((list(argv), timeout, workdir))
-        start = time.monotonic()
-        try:
-            proc = subprocess.run(argv, cwd=workdir, input=stdin, capture_output=True, text=True,
-                                  timeout=timeout, errors="replace")
-        except subprocess.TimeoutExpired as e:
-            out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-            return Result(out, "", None, "timeout", wall_time=time.monotonic() - start)
-        return Result(proc.stdout, proc.stderr, proc.returncode, "ok" if proc.returncode == 0 else "error",
-                      wall_time=time.monotonic() - start)
+from local_executor import LocalExecutor, Result  # this test directory is on sys.path
 
 
 MODULE = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n"
@@ -329,9 +299,9 @@ def test_run_command(ws):
     assert lines[lines.index("--- stderr ---") + 1] == "err"
     out = call(ws, "run", command="sleep 5", timeout=0.5)
     assert "timed out" in out.observation
-    assert ws.executor.calls[-1][1] == 0.5 and ws.executor.calls[-1][2] == ws.root
+    assert ws.executor.calls[-1][2] == 0.5 and ws.executor.calls[-1][3] == ws.root
     call(ws, "run", command="true", timeout=10_000)
-    assert ws.executor.calls[-1][1] == ws.limits.max_command_timeout
+    assert ws.executor.calls[-1][2] == ws.limits.max_command_timeout
     assert call(ws, "run", command="   ").status == "error"
     assert call(ws, "run", command="true", timeout=-1).status == "error"
 
