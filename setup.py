@@ -26,7 +26,8 @@ INSTALL_REQUIRES = [
 ]
 
 EXTRAS_REQUIRE = {
-    "test": ["pytest>=8,<10"],
+    # ray is here so the test suite exercises the Ray sandbox backend on a local cluster.
+    "test": ["pytest>=8,<10", "ray>=2.40,<3"],
     "gpu": ["jax[cuda12]>=0.10,<0.11", "jax-triton>=0.3,<0.4"],
     "distributed": ["ray>=2.40,<3"],
 }

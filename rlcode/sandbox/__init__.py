@@ -7,6 +7,9 @@
     pool.gather(futures, min_fraction=..., deadline=...)              -> [ExecResult | None]
     pool.guarantees()                                                 -> {name: bool | str}
 
+`RaySandboxPool` (`ray_pool.py`, the `distributed` extra) offers the same API over Ray actors,
+one local pool per node; it is imported (with ray) only when first used.
+
 `pool.py` has the API, `isolation.py` the per-execution isolation, `worker.py` the fork server,
 `cgroups.py` the optional cgroup layer, `spec.py` the value types. This package imports only the
 standard library (and never jax), so importing it early is cheap.
@@ -14,6 +17,7 @@ standard library (and never jax), so importing it early is cheap.
 
 from rlcode.sandbox.spec import STATUSES, ExecResult, Limits
 
+# RaySandboxPool is left out of __all__ so that a star import never needs ray.
 __all__ = ["SandboxPool", "SandboxFuture", "SandboxWarning", "Limits", "ExecResult", "STATUSES"]
 
 
@@ -24,4 +28,8 @@ def __getattr__(name):
         from rlcode.sandbox import pool
 
         return getattr(pool, name)
+    if name == "RaySandboxPool":  # imports ray: only on first use
+        from rlcode.sandbox import ray_pool
+
+        return ray_pool.RaySandboxPool
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
