@@ -1,0 +1,23 @@
+"""Generated task families for RL training (program synthesis: `synth`)."""
+
+from rlcode.envs.tasks.synth import (
+    LEVELS,
+    PRIMITIVES,
+    SPLITS,
+    SynthTask,
+    generate_task,
+    grading_program,
+    make_split,
+    parse_grading_output,
+)
+
+__all__ = [
+    "LEVELS",
+    "PRIMITIVES",
+    "SPLITS",
+    "SynthTask",
+    "generate_task",
+    "grading_program",
+    "make_split",
+    "parse_grading_output",
+]
