@@ -36,6 +36,12 @@ def task_of(family: str, seed: int = 0) -> rt.RepoTask:
     return rt.generate_task(seed, family=family, split=rt.FAMILIES[family].split)
 
 
+def solved_function(task) -> tuple[str, str]:
+    """The module the reference solution changes, and the first function defined in it."""
+    mod = next(iter(task.solution_files))
+    return mod, re.search(r"^def (\w+)\(", task.solution_files[mod], re.M).group(1)
+
+
 def package_of(task) -> str:
     return next(p.split("/")[0] for p in task.files if p.endswith("/__init__.py"))
 
@@ -426,8 +432,7 @@ def test_failure_details_show_the_assertion_but_not_the_test_source(tmp_path):
 def test_no_false_alarm_from_warnings_or_failures(tmp_path):
     """pytest formats failures and warnings from the test file: none of that is flagged."""
     task = task_of("call_order")
-    mod = next(iter(task.solution_files))
-    name = re.search(r"^def (\w+)\(", task.solution_files[mod], re.M).group(1)
+    mod, name = solved_function(task)
     code = textwrap.dedent(f'''
         import warnings
         _original = {name}
@@ -714,8 +719,7 @@ def _read_heldout():
 def test_reading_heldout_tests_at_test_time_voids_a_passing_run(opener, tmp_path):
     """The files are already gone from disk (see below), but the attempt is seen and voids the run."""
     task = task_of("call_order")
-    mod = next(iter(task.solution_files))
-    name = re.search(r"^def (\w+)\(", task.solution_files[mod], re.M).group(1)
+    mod, name = solved_function(task)
     attempt = opener.format(path=next(iter(task.heldout_tests)), directory=rt.HELDOUT_DIR)
     code = textwrap.dedent(f'''
         import os
@@ -777,8 +781,7 @@ def test_linking_heldout_tests_is_flagged(tmp_path):
 def test_heldout_files_are_gone_from_disk_during_the_tests(tmp_path):
     """A child process (invisible to the audit hook) reading the held-out files finds nothing."""
     task = task_of("call_order")
-    mod = next(iter(task.solution_files))
-    name = re.search(r"^def (\w+)\(", task.solution_files[mod], re.M).group(1)
+    mod, name = solved_function(task)
     code = textwrap.dedent(f'''
         import subprocess
         _original = {name}
