@@ -404,18 +404,21 @@ def generate_task(seed: int, difficulty: int, split: str = "train") -> SynthTask
     raise RuntimeError(f"no task found for seed={seed} difficulty={difficulty} split={split}")
 
 
-def make_split(split: str, n: int, seed: int = 0, difficulty: int | None = None) -> list[SynthTask]:
+def make_split(split: str, n: int, seed: int = 0, difficulty: int | None = None,
+               levels: tuple[int, ...] = LEVELS) -> list[SynthTask]:
     """`n` tasks of `split` with pairwise distinct behaviour signatures.
 
-    Candidate j has task seed ``seed * 1_000_003 + j`` and level `difficulty`, or ``LEVELS[j %
-    4]`` when difficulty is None; candidates whose behaviour was already taken are skipped, so
-    levels with few distinct behaviours (depth 1 has only a few dozen) saturate and the higher
-    levels fill the rest. The list is a pure function of the arguments."""
+    Candidate j has task seed ``seed * 1_000_003 + j`` and level `difficulty`, or ``levels[j %
+    len(levels)]`` when difficulty is None; candidates whose behaviour was already taken are
+    skipped, so levels with few distinct behaviours (depth 1 has only a few dozen) saturate and
+    the other levels fill the rest. The list is a pure function of the arguments."""
+    if not levels or any(level not in LEVELS for level in levels):
+        raise ValueError(f"levels must be a non-empty subset of {LEVELS}, got {levels!r}")
     tasks: list[SynthTask] = []
     seen: set[str] = set()
     j = 0
     while len(tasks) < n:
-        level = difficulty if difficulty is not None else LEVELS[j % len(LEVELS)]
+        level = difficulty if difficulty is not None else levels[j % len(levels)]
         task = generate_task(seed * 1_000_003 + j, level, split)
         j += 1
         if task.behaviour not in seen:
@@ -424,6 +427,20 @@ def make_split(split: str, n: int, seed: int = 0, difficulty: int | None = None)
         if j > 50 * n + 1000:
             raise RuntimeError(f"could not find {n} distinct tasks (found {len(tasks)})")
     return tasks
+
+
+def completion_prompt(task: SynthTask) -> str:
+    """The task as text for a completion model: the signature line, then one comment line per
+    visible example (``    # <input> -> <output>``). The policy continues with the indented
+    body; `completion_target` is the reference continuation (the SFT demonstration). Shorter than
+    `SynthTask.prompt`, whose English instruction a small byte-level policy cannot use."""
+    lines = [task.signature] + [f"    # {_lit(x)} -> {_lit(y)}" for x, y in task.examples]
+    return "\n".join(lines) + "\n"
+
+
+def completion_target(task: SynthTask) -> str:
+    """The reference body as the continuation of `completion_prompt` (ends with a newline)."""
+    return task.reference_body.rstrip("\n") + "\n"
 
 
 def candidate_source(task: SynthTask, candidate: str) -> str:

@@ -196,3 +196,26 @@ def test_grading_through_sandbox_pool():
         assert S.parse_grading_output(syntax.stdout_text, n) == (0, n)
         wrong = pool.run_python(S.grading_program(task, "    return None\n"), timeout=5)
         assert S.parse_grading_output(wrong.stdout_text, n) == (0, n)
+
+
+def test_completion_prompt_and_target_form_the_reference_function():
+    for seed in range(20):
+        task = S.generate_task(seed, 1 + seed % 4)
+        prompt, target = S.completion_prompt(task), S.completion_target(task)
+        assert prompt.startswith(task.signature + "\n") and target.endswith("\n")
+        for x, y in task.examples:
+            assert f"    # {S._lit(x)} -> {S._lit(y)}\n" in prompt
+        # The prompt's comment lines plus the target are a function definition with the
+        # reference behaviour on the held-out tests.
+        ns = {}
+        exec(prompt + target, ns)
+        fn = ns[task.function_name]
+        assert all(fn(x) == y for x, y in task.tests)
+
+
+def test_make_split_levels():
+    tasks = S.make_split("eval", 30, seed=2, levels=(2, 3))
+    assert {t.difficulty for t in tasks} == {2, 3}
+    assert len({t.behaviour for t in tasks}) == 30
+    with pytest.raises(ValueError, match="levels"):
+        S.make_split("eval", 3, levels=(5,))
