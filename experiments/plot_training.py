@@ -1,0 +1,147 @@
+"""Plot logged training scalars of one or more runs (seeds) into a PNG, for the README.
+
+    python -m experiments.plot_training --runs runs/grpo_synth/seed0,runs/grpo_synth/seed1 \\
+        --tags eval/pass@1,eval/best_of_16 --out docs/figures/grpo_synth.png \\
+        --title "GRPO on synth tasks" --caption "python -m experiments.train --config=..."
+
+Reads each run's `metrics.jsonl` (written by `rlcode.train.metrics.EventWriter`, directly in the
+run directory or in its `tb/` subdirectory), draws one panel per tag with x = step: each run as a
+thin line and the mean over runs as a thick line. The mean is taken at the steps where every run
+has the tag. The plotted series are also written as JSON next to the PNG (same path, `.json`)
+so that numbers quoted in the README can be traced to the runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import textwrap
+from collections.abc import Sequence
+
+import numpy as np
+
+from rlcode.train.metrics import JSONL_NAME, read_jsonl
+
+PANEL_COLUMNS = 3
+
+
+def find_jsonl_dir(run_dir: str) -> str:
+    """The directory holding the run's metrics.jsonl: `run_dir` itself or `run_dir/tb`."""
+    for candidate in (run_dir, os.path.join(run_dir, "tb")):
+        if os.path.isfile(os.path.join(candidate, JSONL_NAME)):
+            return candidate
+    raise FileNotFoundError(f"no {JSONL_NAME} in {run_dir} or {os.path.join(run_dir, 'tb')}")
+
+
+def run_series(run_dir: str, tags: Sequence[str]) -> dict[str, tuple[list[int], list[float]]]:
+    """tag -> (steps, values) of one run, for the tags it logged; non-finite values are NaN."""
+    series: dict[str, tuple[list[int], list[float]]] = {}
+    for record in read_jsonl(find_jsonl_dir(run_dir)):
+        for tag in tags:
+            if tag in record:
+                steps, values = series.setdefault(tag, ([], []))
+                steps.append(int(record["step"]))
+                values.append(math.nan if record[tag] is None else float(record[tag]))
+    return series
+
+
+def mean_series(per_run: Sequence[tuple[list[int], list[float]]]) -> tuple[list[int], list[float]]:
+    """Mean over runs at the steps every run has (NaN where any run's value is NaN)."""
+    if not per_run:
+        return [], []
+    lookups = [dict(zip(steps, values)) for steps, values in per_run]
+    common = sorted(set.intersection(*(set(lookup) for lookup in lookups)))
+    return common, [float(np.mean([lookup[s] for lookup in lookups])) for s in common]
+
+
+def short_labels(names: Sequence[str]) -> list[str]:
+    """Run names without their common directory ('runs/x/seed0', 'runs/x/seed1' -> 'seed0', 'seed1')."""
+    if len(names) < 2:
+        return list(names)
+    common = os.path.commonpath([os.path.abspath(n) for n in names])
+    labels = [os.path.relpath(os.path.abspath(n), common) for n in names]
+    return labels if all(label != "." for label in labels) else list(names)
+
+
+def _json_values(values: Sequence[float]) -> list[float | None]:
+    return [v if math.isfinite(v) else None for v in values]
+
+
+def plot_runs(
+    run_dirs: Sequence[str],
+    tags: Sequence[str],
+    out: str,
+    title: str | None = None,
+    caption: str | None = None,
+) -> str:
+    """Plot `tags` of `run_dirs` into the PNG `out` and its series into `out` with `.json`.
+
+    Returns the path of the PNG. Raises ValueError for a tag that no run logged.
+    """
+    # The Agg canvas renders without pyplot, so no global backend is chosen or changed.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    if not run_dirs or not tags:
+        raise ValueError("plot_runs needs at least one run and one tag")
+    names = [os.path.normpath(d) for d in run_dirs]
+    if len(set(names)) < len(names):
+        raise ValueError(f"plot_runs: a run is listed twice in {names}")
+    labels = dict(zip(names, short_labels(names)))
+    series = {name: run_series(d, tags) for name, d in zip(names, run_dirs)}
+    missing = [tag for tag in tags if not any(tag in s for s in series.values())]
+    if missing:
+        logged = sorted({k for s in series.values() for k in s})
+        raise ValueError(f"no run logged {missing}; requested tags logged: {logged}")
+
+    columns = min(len(tags), PANEL_COLUMNS)
+    rows = math.ceil(len(tags) / columns)
+    fig = Figure(figsize=(4.8 * columns, 3.4 * rows + (0.5 if caption else 0)), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(rows, columns, squeeze=False).ravel()
+    record = {"runs": names, "title": title, "caption": caption, "tags": {}}
+    for ax, tag in zip(axes, tags):
+        runs = {name: s[tag] for name, s in series.items() if tag in s}
+        for name, (steps, values) in runs.items():  # a run keeps its colour in every panel
+            ax.plot(steps, values, color=f"C{names.index(name) % 10}", lw=0.9, alpha=0.6, label=labels[name])
+        steps, mean = mean_series(list(runs.values())) if len(runs) == len(names) else ([], [])
+        if steps:
+            ax.plot(steps, mean, color="black", lw=2.2, label=f"mean of {len(names)}")
+        ax.set_title(tag)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        record["tags"][tag] = {
+            "runs": {name: {"steps": s, "values": _json_values(v)} for name, (s, v) in runs.items()},
+            "mean": {"steps": steps, "values": _json_values(mean)},
+        }
+    for ax in axes[len(tags):]:
+        ax.set_visible(False)
+    axes[0].legend(fontsize="small")
+    if title:
+        fig.suptitle(title)
+    if caption:
+        fig.supxlabel("\n".join(textwrap.wrap(caption, 70 * columns)), fontsize="small", family="monospace")
+
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    fig.savefig(out, dpi=150)
+    with open(os.path.splitext(out)[0] + ".json", "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=1, allow_nan=False)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", required=True, help="comma-separated run directories")
+    parser.add_argument("--tags", required=True, help="comma-separated scalar tags, one panel each")
+    parser.add_argument("--out", required=True, help="the PNG to write (its series go to .json)")
+    parser.add_argument("--title", default=None)
+    parser.add_argument("--caption", default=None, help="e.g. the command that produced the runs")
+    args = parser.parse_args(argv)
+    split = lambda s: [x.strip() for x in s.split(",") if x.strip()]
+    print(plot_runs(split(args.runs), split(args.tags), args.out, title=args.title, caption=args.caption))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,279 @@
+"""Evaluation metrics (pass@k, best-of-n) and TensorBoard logging without TensorFlow.
+
+pass@k is the unbiased estimator of Chen et al. 2021 ("Evaluating Large Language Models Trained
+on Code", eq. 1): with n samples per prompt of which c are correct,
+
+    pass@k = 1 - C(n - c, k) / C(n, k) = 1 - prod_{i = n - c + 1}^{n} (1 - k / i),
+
+the product form (their Figure 3) avoiding the huge binomials.
+
+`EventWriter` writes TensorBoard event files (scalars and text) plus a `metrics.jsonl` copy of
+the scalars; `read_scalars` / `read_jsonl` read them back for plot scripts and tests::
+
+    with EventWriter(workdir / "tb") as writer:
+        writer.scalars(step, {"loss": loss, "eval/pass@1": 0.25})
+        writer.text(step, "samples/completion", completion)
+
+Event files are written with tensorboard's record framing and protos only. tensorboard's own
+writers (`EventFileWriter`, `tensorboard.summary.Writer`) do their file IO through
+`tensorboard.compat.tf`, which imports the real TensorFlow whenever it is installed; the files
+here are plain Python files, so TensorFlow is never imported, installed or not.
+"""
+
+from __future__ import annotations
+
+import glob
+import itertools
+import json
+import math
+import operator
+import os
+import socket
+import struct
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
+from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+from tensorboard.plugins.text import metadata as text_metadata
+from tensorboard.summary.writer.record_writer import RecordWriter
+
+__all__ = ["pass_at_k", "eval_summary", "EventWriter", "read_scalars", "read_jsonl", "JSONL_NAME"]
+
+JSONL_NAME = "metrics.jsonl"
+# TensorBoard lists a file as an event file when its name contains "tfevents".
+EVENT_FILE_PATTERN = "events.out.tfevents.*"
+_RESERVED_KEYS = ("step", "wall_time")
+_writer_ids = itertools.count()
+
+
+# --------------------------------------------------------------------------------------------
+# pass@k
+# --------------------------------------------------------------------------------------------
+
+
+def pass_at_k(n: Any, c: Any, k: int) -> float | np.ndarray:
+    """Unbiased pass@k for n samples of which c are correct (Chen et al. 2021, eq. 1).
+
+    Args:
+      n: number of samples, a python int or an integer array.
+      c: number of correct samples, a python int or an integer array broadcastable with n.
+      k: the k of pass@k, 1 <= k <= n.
+
+    Returns:
+      A python float when n and c are both scalars, else a float64 array of their broadcast shape.
+    """
+    k = operator.index(k)
+    n_arr, c_arr = np.asarray(n), np.asarray(c)
+    for name, a in (("n", n_arr), ("c", c_arr)):
+        if a.dtype.kind not in "iu":
+            raise TypeError(f"pass_at_k: {name} must be integers, got dtype {a.dtype}")
+    n_arr, c_arr = np.broadcast_arrays(n_arr.astype(np.int64), c_arr.astype(np.int64))
+    if k < 1:
+        raise ValueError(f"pass_at_k: k must be >= 1, got k={k}")
+    if np.any(k > n_arr):
+        raise ValueError(f"pass_at_k: k must be <= n, got k={k} and n={n_arr.min()}")
+    if np.any(c_arr < 0):
+        raise ValueError(f"pass_at_k: c must be >= 0, got c={c_arr.min()}")
+    if np.any(c_arr > n_arr):
+        bad = np.argmax(c_arr > n_arr)
+        raise ValueError(f"pass_at_k: c must be <= n, got c={c_arr.flat[bad]} > n={n_arr.flat[bad]}")
+    # Factor j of each product is (1 - k / i) with i = n - c + 1 + j >= 1; factors j >= c are 1.
+    # Fewer than k incorrect samples (n - c < k) means every k-subset holds a correct one.
+    width = int(c_arr.max()) if c_arr.size else 0
+    j = np.arange(width, dtype=np.int64)
+    i = (n_arr - c_arr + 1)[..., None] + j
+    factors = np.where(j < c_arr[..., None], 1.0 - k / i, 1.0)
+    result = np.where(n_arr - c_arr < k, 1.0, 1.0 - np.prod(factors, axis=-1))
+    if np.ndim(n) == 0 and np.ndim(c) == 0:
+        return float(result)
+    return result.astype(np.float64)
+
+
+def eval_summary(correct: np.ndarray, ks: Sequence[int] = (1, 4, 16)) -> dict[str, float]:
+    """pass@k and best-of-n of a [P, n] boolean matrix of per-sample correctness.
+
+    Returns {"pass@k": mean over the P prompts of `pass_at_k(n, c_p, k)` for each k in ks with
+    k <= n, "best_of_{n}": fraction of prompts with at least one correct sample (= pass@n)}.
+    """
+    correct = np.asarray(correct)
+    if correct.ndim != 2:
+        raise ValueError(f"eval_summary: correct must be [P, n], got shape {correct.shape}")
+    P, n = correct.shape
+    if P == 0 or n == 0:
+        raise ValueError(f"eval_summary: correct must have at least one prompt and one sample, got {correct.shape}")
+    c = correct.astype(bool).sum(axis=1)
+    summary = {f"pass@{k}": float(np.mean(pass_at_k(n, c, k))) for k in ks if k <= n}
+    summary[f"best_of_{n}"] = float(np.mean(c > 0))
+    return summary
+
+
+# --------------------------------------------------------------------------------------------
+# Writing
+# --------------------------------------------------------------------------------------------
+
+
+class EventWriter:
+    """Writes scalars and text to a new TensorBoard event file in `logdir`, plus `metrics.jsonl`.
+
+    Each `scalars` call is one event (all its tags at one step and wall time) and one JSON line
+    `{"step": s, "wall_time": t, tag: value, ...}` appended to `<logdir>/metrics.jsonl`; both
+    files are flushed after every call so a crashed run loses nothing and a reader sees every
+    step logged so far. A resumed run opens a new event file and appends to the same jsonl;
+    readers keep the last value written for a (tag, step). Not thread-safe.
+    """
+
+    def __init__(self, logdir: str | os.PathLike):
+        self.logdir = os.fspath(logdir)
+        os.makedirs(self.logdir, exist_ok=True)
+        # The name TensorBoard's own writers use: time, host and pid keep concurrent and resumed
+        # writers apart; the counter keeps two writers of one process apart.
+        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_writer_ids)}"
+        self.path = os.path.join(self.logdir, name)
+        self._events = RecordWriter(open(self.path, "wb"))
+        self._jsonl = open(os.path.join(self.logdir, JSONL_NAME), "a", encoding="utf-8")
+        self._closed = False
+        self._write(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2"))
+
+    def _write(self, event: event_pb2.Event) -> None:
+        if self._closed:
+            raise RuntimeError(f"EventWriter for {self.logdir} is closed")
+        self._events.write(event.SerializeToString())
+        self._events.flush()
+
+    def scalars(self, step: int, values: Mapping[str, Any]) -> None:
+        """Log `values` (tag -> number; None is skipped) at `step`. Non-finite values are kept."""
+        step = int(step)
+        values = {tag: float(v) for tag, v in values.items() if v is not None}
+        reserved = [tag for tag in values if tag in _RESERVED_KEYS]
+        if reserved:
+            raise ValueError(f"EventWriter.scalars: tags {reserved} clash with the jsonl record's own keys")
+        wall_time = time.time()
+        event = event_pb2.Event(wall_time=wall_time, step=step)
+        for tag, v in values.items():
+            event.summary.value.add(tag=tag, simple_value=v)
+        self._write(event)
+        record = {"step": step, "wall_time": wall_time}
+        record.update({tag: v if math.isfinite(v) else None for tag, v in values.items()})
+        self._jsonl.write(json.dumps(record, allow_nan=False) + "\n")
+        self._jsonl.flush()
+
+    def text(self, step: int, tag: str, text: str) -> None:
+        """Log `text` (rendered as markdown) under `tag` at `step`, for TensorBoard's Text tab."""
+        tensor = tensor_pb2.TensorProto(
+            dtype=types_pb2.DT_STRING, tensor_shape=tensor_shape_pb2.TensorShapeProto(),
+            string_val=[str(text).encode("utf-8")],
+        )
+        event = event_pb2.Event(wall_time=time.time(), step=int(step))
+        event.summary.value.add(tag=tag, tensor=tensor, metadata=text_metadata.create_summary_metadata("", ""))
+        self._write(event)
+
+    def flush(self) -> None:
+        if not self._closed:
+            self._events.flush()
+            self._jsonl.flush()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._events.close()
+            self._jsonl.close()
+
+    def __enter__(self) -> EventWriter:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Reading
+# --------------------------------------------------------------------------------------------
+
+
+def _read_records(path: str) -> Iterator[bytes]:
+    """The records of a TFRecord file: u64 length, u32 masked crc of it, data, u32 masked crc.
+
+    A truncated last record (a writer still writing, or killed mid-write) ends the file; a
+    checksum mismatch raises, naming the file and offset.
+    """
+    with open(path, "rb") as f:
+        while True:
+            offset = f.tell()
+            header = f.read(12)
+            if len(header) < 12:
+                return
+            length_bytes, length_crc = header[:8], struct.unpack("<I", header[8:])[0]
+            if masked_crc32c(length_bytes) != length_crc:
+                raise ValueError(f"{path}: corrupted record length at byte {offset}")
+            (length,) = struct.unpack("<Q", length_bytes)
+            body = f.read(length + 4)
+            if len(body) < length + 4:
+                return
+            data, data_crc = body[:length], struct.unpack("<I", body[length:])[0]
+            if masked_crc32c(data) != data_crc:
+                raise ValueError(f"{path}: corrupted record data at byte {offset}")
+            yield data
+
+
+def _scalar_value(value: summary_pb2.Summary.Value) -> float | None:
+    """The number held by a summary value: a v1 simple_value or a scalars-plugin 0-d tensor."""
+    if value.HasField("simple_value"):
+        return float(value.simple_value)
+    if value.HasField("tensor") and value.metadata.plugin_data.plugin_name == "scalars":
+        t = value.tensor
+        for field in ("float_val", "double_val", "int_val", "int64_val"):
+            if getattr(t, field):
+                return float(getattr(t, field)[0])
+        if t.tensor_content:
+            dtype = {types_pb2.DT_FLOAT: np.float32, types_pb2.DT_DOUBLE: np.float64}.get(t.dtype)
+            if dtype is not None:
+                return float(np.frombuffer(t.tensor_content, dtype)[0])
+    return None
+
+
+def read_scalars(logdir: str | os.PathLike) -> dict[str, list[tuple[int, float]]]:
+    """Scalars of every event file in `logdir`: tag -> [(step, value)] sorted by step.
+
+    When a tag has several values at one step (a resumed run re-logs steps), the last written
+    (latest wall time; ties by file then position) is kept.
+    """
+    points = []  # (wall_time, file index, position, tag, step, value)
+    for file_index, path in enumerate(sorted(glob.glob(os.path.join(os.fspath(logdir), EVENT_FILE_PATTERN)))):
+        for position, record in enumerate(_read_records(path)):
+            event = event_pb2.Event.FromString(record)
+            for value in event.summary.value:
+                number = _scalar_value(value)
+                if number is not None:
+                    points.append((event.wall_time, file_index, position, value.tag, event.step, number))
+    points.sort(key=lambda p: p[:3])
+    latest: dict[str, dict[int, float]] = {}
+    for *_, tag, step, number in points:
+        latest.setdefault(tag, {})[step] = number
+    return {tag: sorted(by_step.items()) for tag, by_step in sorted(latest.items())}
+
+
+def read_jsonl(logdir: str | os.PathLike) -> list[dict]:
+    """The records of `<logdir>/metrics.jsonl`, one per step, sorted by step.
+
+    Records of one step are merged in file order, later values replacing earlier ones (a
+    resumed run re-logs steps; a training step and an eval at the same step are two records).
+    Non-finite values read back as None. A truncated last line is ignored.
+    """
+    path = os.path.join(os.fspath(logdir), JSONL_NAME)
+    merged: dict[int, dict] = {}
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    for number, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines) - 1:  # the last line of a writer killed mid-write
+                continue
+            raise ValueError(f"{path}:{number + 1}: not a JSON record: {line[:80]!r}") from None
+        merged.setdefault(int(record["step"]), {}).update(record)
+    return [merged[step] for step in sorted(merged)]
