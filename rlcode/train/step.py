@@ -165,6 +165,7 @@ def make_train_step(
     mesh: Mesh | None = None,
     rules: Rules = DEFAULT_RULES,
     shardings: Any = None,
+    log_entropy: bool = False,
 ) -> Callable[[TrainState, dict[str, jax.Array]], tuple[TrainState, dict[str, jax.Array]]]:
     """Build `train_step(state, batch) -> (state, metrics)`, jitted, donating the state.
 
@@ -181,9 +182,11 @@ def make_train_step(
       schedule: optional learning-rate schedule, reported as the `lr` metric.
       mesh, rules, shardings: with a mesh, the step is jitted with `shardings` (the state's,
         see `state_shardings`) and the batch sharded over the data axes.
+      log_entropy: report the policy's mean entropy (`entropy` metric) even when
+        loss.entropy_coef is 0 (costs one more pass over each log-prob chunk).
     """
     losses.validate_loss_config(loss_config)
-    need_entropy = loss_config.entropy_coef > 0
+    need_entropy = loss_config.entropy_coef > 0 or log_entropy
     options = dict(temperature=temperature, top_k=top_k, top_p=top_p)
 
     def terms_fn(params, mb):
@@ -223,6 +226,9 @@ def make_train_step(
     jitted = jax.jit(step_fn, in_shardings=(shardings, data), out_shardings=(shardings, None), donate_argnums=0)
 
     def sharded_step(state, batch):
+        # A batch computed on the mesh by another jitted function (old log-probs, advantages) is
+        # committed to that function's output sharding; jit does not reshard committed inputs.
+        batch = jax.device_put(batch, data)
         with use_mesh(mesh, rules):
             return jitted(state, batch)
 
