@@ -1,0 +1,624 @@
+"""The RL training job for program synthesis: SFT warm start, then sync or async RL.
+
+`run(config)` is the whole job behind ``python -m experiments.train``; configs/grpo_synth.py
+documents the config sections. One iteration ("step" in the logs) consumes one rollout batch of
+P prompts x G samples:
+
+  sample (policy version v) -> grade in the sandbox -> rewards -> old / reference log-probs
+  (and values) under the current parameters -> advantages -> `epochs x minibatches` optimizer
+  steps of the configured objective.
+
+Sync mode samples with the current parameters (v = step). Async mode
+(``rollout.async = True``) runs sampling and grading in a background thread with the latest
+published parameters while the trainer updates; each batch carries its version v, a batch with
+``step - v > rollout.max_staleness`` is dropped, and the loss sees the sampler's log-probs as
+``behavior_logp`` so `loss.is_mode` (TIS/MIS) corrects the gap between the sampling policy and
+the policy the ratio is taken against (the current parameters; decoupled PPO).
+
+Evaluation every ``eval.every`` steps (and before the first and after the last step) samples
+``eval.num_samples`` completions for every held-out task and reports pass@k (unbiased),
+best-of-n, mean length and the reward terms. Scalars and a few completions go to TensorBoard
+(``<workdir>/tb``, with a ``metrics.jsonl`` copy); checkpoints go to ``<workdir>/checkpoints``.
+
+Interruptions: SIGINT / SIGTERM finish the current step, save a checkpoint and return
+(a second signal aborts at once); ``resume = True`` continues from the latest checkpoint,
+also after SIGKILL (at most the steps since the last checkpoint are redone). A non-finite loss
+stops the run with `NonFiniteLossError` naming the step and the batch statistics, saves the
+offending batch to ``<workdir>/nonfinite_batch_step<N>.npz`` and leaves the checkpoints as they
+were.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rlcode import advantages as adv_lib
+from rlcode import losses
+from rlcode.checks import one_of
+from rlcode.envs.tasks import synth
+from rlcode.models.transformer import init_model
+from rlcode.recipes import ADVANTAGE_ESTIMATORS
+from rlcode.sampling import SampleOutput, SamplingConfig, to_training_batch
+from rlcode.sharding import make_mesh, rules_from_config
+from rlcode.tokenizer import ByteTokenizer
+from rlcode.train import sft as sft_lib
+from rlcode.train.checkpoint import Checkpointer
+from rlcode.train.metrics import EventWriter, eval_summary
+from rlcode.train.progress import Progress
+from rlcode.train.rollout import EncodedTasks, Grader, Rollout, RolloutCollector, encode_tasks, trim_batch
+from rlcode.train.step import init_train_state, make_logprob_fn, make_optimizer, make_train_step, state_shardings
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss (or gradient norm) of a train step was NaN or Inf."""
+
+
+# ------------------------------------------------------------------------------ validation
+
+
+def validate_config(cfg: Any, num_devices: int | None = None) -> None:
+    """Raise ValueError naming the field for a config the job cannot run; called at start."""
+    losses.validate_loss_config(cfg.loss)
+    one_of(cfg.advantage.estimator, ADVANTAGE_ESTIMATORS, "advantage.estimator")
+    P, G = cfg.rollout.prompts_per_step, cfg.rollout.group_size
+    for field, value in (("rollout.prompts_per_step", P), ("rollout.group_size", G), ("train.steps", cfg.train.steps),
+                         ("train.epochs", cfg.train.epochs), ("train.minibatches", cfg.train.minibatches),
+                         ("train.microbatches", cfg.train.microbatches), ("eval.num_samples", cfg.eval.num_samples),
+                         ("sampling.max_new_tokens", cfg.sampling.max_new_tokens),
+                         ("task.max_prompt_len", cfg.task.max_prompt_len)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{field} must be a positive integer, got {value!r}")
+    if cfg.advantage.estimator == "group" and cfg.advantage.normalize in ("std", "rloo") and G < 2:
+        raise ValueError(f"rollout.group_size={G}: advantage.normalize={cfg.advantage.normalize!r} needs at "
+                         "least 2 samples per prompt (use normalize='batch' or a larger group)")
+    if (cfg.advantage.estimator == "gae" or cfg.loss.value_coef > 0) and not cfg.model.value_head:
+        raise ValueError("advantage.estimator='gae' / loss.value_coef > 0 need model.value_head=True")
+    if P % cfg.train.minibatches:
+        raise ValueError(f"rollout.prompts_per_step={P} is not divisible by train.minibatches={cfg.train.minibatches}")
+    rows = P * G // cfg.train.minibatches
+    if rows % cfg.train.microbatches:
+        raise ValueError(f"a minibatch of {rows} rows is not divisible by train.microbatches={cfg.train.microbatches}")
+    if cfg.rollout.max_staleness < 0:
+        raise ValueError(f"rollout.max_staleness must be >= 0, got {cfg.rollout.max_staleness}")
+    if cfg.rollout["async"] and cfg.rollout.max_staleness < 1:
+        raise ValueError("rollout.async=True needs rollout.max_staleness >= 1")
+    if cfg.eval.every < 0:
+        raise ValueError(f"eval.every must be >= 0, got {cfg.eval.every}")
+    bad_k = [k for k in cfg.eval.ks if not 1 <= k <= cfg.eval.num_samples]
+    if bad_k:
+        raise ValueError(f"eval.ks={tuple(cfg.eval.ks)}: each k must be in [1, eval.num_samples={cfg.eval.num_samples}]")
+    for level in cfg.task.levels:
+        if level not in synth.LEVELS:
+            raise ValueError(f"task.levels={tuple(cfg.task.levels)}: each level must be one of {synth.LEVELS}")
+    if num_devices is not None:
+        mesh_sizes = {a: cfg.mesh[a] for a in ("data", "fsdp", "tensor", "expert")}
+        known = math.prod(s for s in mesh_sizes.values() if s != -1)
+        if num_devices % known:
+            raise ValueError(f"mesh={mesh_sizes} does not fit {num_devices} devices")
+        sizes = {a: (num_devices // known if s == -1 else s) for a, s in mesh_sizes.items()}
+        shards = sizes["data"] * sizes["fsdp"]
+        for field, n in (("rollout.prompts_per_step * rollout.group_size / train.minibatches"
+                          " / train.microbatches", rows // cfg.train.microbatches),):
+            if n % shards:
+                raise ValueError(f"batch: {field} = {n} rows is not divisible by the mesh's data x fsdp = "
+                                 f"{shards} devices (mesh.data={sizes['data']}, mesh.fsdp={sizes['fsdp']})")
+
+
+# ------------------------------------------------------------------------------ tasks
+
+
+def build_tasks(cfg: Any, tokenizer: ByteTokenizer) -> tuple[EncodedTasks, EncodedTasks]:
+    """(train pool, eval pool). The train pool holds `task.num_train` tasks of the train split,
+    task seeds ``task.seed * 1_000_003 + j`` cycling through `task.levels`; it serves as SFT
+    demonstrations (their reference solutions) and as RL prompts. The eval pool is
+    `synth.make_split("eval", task.num_eval, ...)`: distinct held-out behaviours, none in train."""
+    levels = tuple(cfg.task.levels)
+    base = cfg.task.seed * 1_000_003
+    train = [synth.generate_task(base + j, levels[j % len(levels)], "train") for j in range(cfg.task.num_train)]
+    evals = synth.make_split("eval", cfg.task.num_eval, seed=cfg.task.seed, levels=levels)
+    M, Lp = cfg.sampling.max_new_tokens, cfg.task.max_prompt_len
+    return (encode_tasks(train, tokenizer, Lp, M, what="train tasks"),
+            encode_tasks(evals, tokenizer, Lp, M, what="eval tasks"))
+
+
+# ------------------------------------------------------------------------------ batches
+
+
+def make_prepare_fn(cfg: Any, graphdef: Any, group_size: int, pad_id: int, trim_multiple: int = 32) -> Callable:
+    """fn(params, ref_params, rollout) -> train batch: the training layout (time axis trimmed,
+    see `trim_batch`), old log-probs and values under `params`, reference log-probs, rewards with
+    the KL penalty when it is a reward term, advantages (and returns for GAE)."""
+    sampling = cfg.sampling
+    opts = dict(temperature=sampling.temperature, top_k=sampling.top_k or None, top_p=sampling.top_p)
+    logprob = make_logprob_fn(graphdef, **opts)
+    use_ref = cfg.loss.kl_coef > 0
+    kl_in_reward = use_ref and cfg.loss.kl_penalty == "reward"
+    adv_cfg = cfg.advantage
+    needs_values = cfg.advantage.estimator == "gae" or cfg.loss.value_coef > 0
+
+    @jax.jit
+    def scores(params, ref_params, batch, rewards, valid):
+        mask = batch["mask"]
+        old_logp, values = logprob(params, batch)
+        old_logp = jnp.where(mask, old_logp, 0.0)
+        if use_ref:
+            ref_logp, _ = logprob(ref_params, batch)
+            ref_logp = jnp.where(mask, ref_logp, 0.0)
+            batch["ref_logp"] = ref_logp
+            if kl_in_reward:
+                rewards = losses.kl_reward_penalty(rewards, old_logp, ref_logp, mask, cfg.loss.kl_coef)
+        advantages, returns = adv_lib.compute_advantages(adv_cfg, rewards, mask, group_size,
+                                                         values=values if needs_values else None, valid=valid)
+        batch = dict(batch, advantages=advantages, old_logp=old_logp)
+        if needs_values:
+            batch.update(old_values=jnp.where(mask, values, 0.0), returns=returns)
+        return batch
+
+    def prepare(params, ref_params, r: Rollout) -> dict[str, jax.Array]:
+        out = SampleOutput(jnp.asarray(r.tokens), jnp.asarray(r.logprobs), jnp.asarray(r.mask), jnp.asarray(r.lengths))
+        tb = to_training_batch(jnp.asarray(r.prompts), jnp.asarray(r.prompt_lengths), out, group_size=group_size,
+                               pad_id=pad_id)
+        valid = jnp.asarray(r.valid)
+        batch = {"inputs": tb.inputs, "targets": tb.targets, "positions": tb.positions,
+                 "mask": tb.mask & valid[:, None], "kv_lengths": tb.kv_lengths, "behavior_logp": tb.behavior_logp}
+        batch = trim_batch(batch, int(np.max(r.prompt_lengths.repeat(group_size) + r.lengths)) - 1, trim_multiple)
+        return scores(params, ref_params, batch, jnp.asarray(r.rewards), valid)
+
+    return prepare
+
+
+def minibatches(batch: dict[str, jax.Array], num: int, group_size: int, rng: np.random.Generator):
+    """Split a batch into `num` minibatches of whole groups (random group order)."""
+    if num == 1:
+        return [batch]
+    B = batch["inputs"].shape[0]
+    groups = rng.permutation(B // group_size).reshape(num, -1)
+    out = []
+    for gs in groups:
+        rows = (gs[:, None] * group_size + np.arange(group_size)[None, :]).reshape(-1)
+        out.append({k: v[rows] for k, v in batch.items()})
+    return out
+
+
+def rollout_metrics(r: Rollout, prefix: str = "rollout") -> dict[str, float]:
+    """Reward terms, pass rates, lengths and the sandbox counters of a batch (valid rows)."""
+    v = r.valid
+    n = max(int(v.sum()), 1)
+    mean = lambda x: float(np.where(v, x, 0).sum() / n)
+    out = {f"{prefix}/reward": mean(r.rewards), f"{prefix}/pass@1": mean(r.passed.astype(np.float32)),
+           f"{prefix}/pass_fraction": mean(r.pass_fraction), f"{prefix}/length": mean(r.lengths.astype(np.float32)),
+           f"{prefix}/valid_fraction": float(v.mean())}
+    for name, x in r.terms.items():
+        out[f"{prefix}/reward_{name}"] = mean(x)
+    G = r.group_size
+    rew = r.rewards.reshape(-1, G)
+    out[f"{prefix}/degenerate_groups"] = float(np.mean(np.ptp(rew, axis=1) == 0))
+    for k in ("infra", "timeout", "truncated", "draws", "dropped_groups", "filled"):
+        if k in r.stats:
+            out[f"{prefix}/{k}"] = float(r.stats[k])
+    return out
+
+
+# ------------------------------------------------------------------------------ evaluation
+
+
+def evaluate(collector: RolloutCollector, params: Any, cfg: Any, key: jax.Array) -> tuple[dict[str, float], list[str]]:
+    """pass@k / best-of-n / length / reward terms on every task of the collector's (eval) pool.
+
+    The same `key` at every evaluation (common random numbers), so a change between two
+    evaluations comes from the parameters, not the sampling noise of the draw."""
+    n, chunk = cfg.eval.num_samples, cfg.eval.prompts_per_batch
+    E = len(collector.tasks)
+    parts = []
+    for c, start in enumerate(range(0, E, chunk)):
+        ids = np.arange(start, start + chunk) % E  # the last chunk is padded (fixed shapes), then cut
+        r = collector.sample_and_grade(params, ids, jax.random.fold_in(key, c), version=-1, group_size=n)
+        keep = min(chunk, E - start)
+        parts.append((r, keep))
+    passed = np.concatenate([r.passed.reshape(-1, n)[:keep] for r, keep in parts])
+    valid = np.concatenate([r.valid.reshape(-1, n)[:keep] for r, keep in parts])
+    lengths = np.concatenate([r.lengths.reshape(-1, n)[:keep] for r, keep in parts])
+    frac = np.concatenate([r.pass_fraction.reshape(-1, n)[:keep] for r, keep in parts])
+    # An infrastructure failure is not a policy failure: grade such a sample as missing by
+    # counting it incorrect only if nothing else is known (they are reported separately).
+    metrics = {f"eval/{k}": v for k, v in eval_summary(passed & valid, ks=tuple(cfg.eval.ks)).items()}
+    metrics.update({
+        "eval/length": float(lengths.mean()),
+        "eval/pass_fraction": float(frac.mean()),
+        "eval/infra": float((~valid).sum()),
+        "eval/sample_s": float(sum(r.stats["sample_s"] for r, _ in parts)),
+        "eval/execute_s": float(sum(r.stats["execute_s"] for r, _ in parts)),
+    })
+    for name in parts[0][0].terms:
+        metrics[f"eval/reward_{name}"] = float(np.concatenate(
+            [r.terms[name].reshape(-1, n)[:keep] for r, keep in parts]).mean())
+    by_level: dict[int, list[float]] = {}
+    for task, row in zip(collector.tasks.tasks, passed):
+        by_level.setdefault(task.difficulty, []).append(float(row.mean()))
+    for level, vals in sorted(by_level.items()):
+        metrics[f"eval/pass@1_L{level}"] = float(np.mean(vals))
+    r0 = parts[0][0]
+    texts = [f"task {collector.tasks.tasks[int(r0.task_ids[0])].task_id} sample {i} "
+             f"(passed={bool(r0.passed[i])}):\n\n```\n{r0.texts[i]}\n```" for i in range(min(3, n))]
+    return metrics, texts
+
+
+# ------------------------------------------------------------------------------ async sampling
+
+
+class ParamStore:
+    """The latest published policy parameters and their version, shared with the sampler thread.
+    Publishing copies the arrays: the train step donates (deletes) the buffers it was given."""
+
+    def __init__(self, params: Any, version: int):
+        self._lock = threading.Lock()
+        self.publish(params, version)
+
+    def publish(self, params: Any, version: int) -> None:
+        copy = jax.tree.map(jnp.copy, params)
+        with self._lock:
+            self._params, self._version = copy, version
+
+    def get(self) -> tuple[Any, int]:
+        with self._lock:
+            return self._params, self._version
+
+
+class AsyncSampler:
+    """A background thread that keeps a bounded queue of rollout batches, each sampled with the
+    latest published parameters. The queue holds `max_staleness` batches, so a batch waits at
+    most that many trainer steps plus the one being collected."""
+
+    def __init__(self, collect: Callable[[Any, int, int], Rollout], store: ParamStore, max_staleness: int):
+        self._collect = collect
+        self._store = store
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, max_staleness))
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._count = 0
+        self._thread = threading.Thread(target=self._loop, name="rollout-sampler", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                params, version = self._store.get()
+                r = self._collect(params, version, self._count)
+                self._count += 1
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(r, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+        except BaseException as e:  # surfaced to the trainer by get()
+            self._error = e
+
+    def get(self) -> Rollout:
+        while True:
+            if self._error is not None:
+                raise RuntimeError(f"the rollout sampler thread failed: {self._error!r}") from self._error
+            try:
+                return self._queue.get(timeout=0.1)
+            except queue.Empty:
+                if not self._thread.is_alive() and self._error is None:
+                    raise RuntimeError("the rollout sampler thread stopped")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=120)
+
+
+# ------------------------------------------------------------------------------ signals
+
+
+class _StopFlag:
+    """SIGINT/SIGTERM set a flag the loop checks between steps; a second signal raises
+    KeyboardInterrupt at once."""
+
+    def __init__(self):
+        self.signal: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopFlag:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.signal is not None:
+            raise KeyboardInterrupt
+        self.signal = signum
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+# ------------------------------------------------------------------------------ the job
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What `run` returns (also written to <workdir>/summary.json)."""
+
+    workdir: str
+    steps_done: int
+    completed: bool
+    interrupted: bool
+    sft: dict
+    first_eval: dict | None
+    last_eval: dict | None
+    seconds: float
+
+
+def _stats_text(batch: dict[str, Any], r: Rollout) -> dict[str, Any]:
+    host = jax.device_get(batch)
+    m = np.asarray(host["mask"], bool)
+    out: dict[str, Any] = {"rows": int(m.shape[0]), "masked_tokens": int(m.sum()),
+                           "reward_mean": float(np.mean(r.rewards)), "reward_std": float(np.std(r.rewards))}
+    for k, v in host.items():
+        v = np.asarray(v)
+        if v.dtype.kind != "f":
+            continue
+        sel = v[m] if v.shape == m.shape else v
+        finite = np.isfinite(sel)
+        out[k] = {"nonfinite": int((~finite).sum()),
+                  "min": float(sel[finite].min()) if finite.any() else None,
+                  "max": float(sel[finite].max()) if finite.any() else None}
+    return out
+
+
+def run(cfg: Any, *, pool: Any = None, log: Callable[[str], None] | None = None,
+        hooks: dict[str, Callable] | None = None) -> RunResult:
+    """Run the job of `cfg` (see the module docstring and configs/grpo_synth.py).
+
+    pool: a sandbox pool to grade in (default: a `SandboxPool` of `sandbox.workers`, closed at
+      the end). log: message sink (default: the progress bar's). hooks: test seams,
+      {"batch": fn(step, batch) -> batch} applied to each train batch.
+    """
+    t_start = time.perf_counter()
+    hooks = hooks or {}
+    devices = jax.devices()
+    validate_config(cfg, len(devices))
+    workdir = os.path.abspath(cfg.workdir)
+    os.makedirs(workdir, exist_ok=True)
+    ckpt_dir = os.path.join(workdir, "checkpoints")
+    has_ckpt = os.path.isdir(ckpt_dir) and any(n.isdigit() for n in os.listdir(ckpt_dir))
+    if has_ckpt and not cfg.resume:
+        raise ValueError(f"workdir {workdir} already has checkpoints: pass --config.resume=True to continue "
+                         "that run, or choose another --config.workdir")
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        f.write(cfg.to_json_best_effort(indent=2, sort_keys=True))
+
+    own_pool = pool is None
+    if own_pool:
+        from rlcode.sandbox import Limits, SandboxPool  # noqa: PLC0415 (lazy: workers start here)
+
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # workers are fresh interpreters; jax being loaded is harmless
+            pool = SandboxPool(cfg.sandbox.workers, Limits(wall_seconds=cfg.reward.timeout))
+    stop = _StopFlag()
+    sampler: AsyncSampler | None = None
+    writer = EventWriter(os.path.join(workdir, "tb"))
+    ckpt = Checkpointer(ckpt_dir, keep=cfg.checkpoint.keep, async_save=True)
+    progress = None
+    try:
+        tokenizer = ByteTokenizer()
+        if cfg.model.vocab_size < tokenizer.vocab_size:
+            raise ValueError(f"model.vocab_size={cfg.model.vocab_size} < the tokenizer's {tokenizer.vocab_size}")
+        train_tasks, eval_tasks = build_tasks(cfg, tokenizer)
+        if len(train_tasks) < cfg.rollout.prompts_per_step:
+            raise ValueError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} > the {len(train_tasks)} train tasks")
+        say = log or (lambda m: progress.write(m) if progress is not None else print(m, file=sys.stderr, flush=True))
+        say(f"tasks: {len(train_tasks)} train (SFT demos and RL prompts), {len(eval_tasks)} held-out eval; "
+            f"levels {tuple(cfg.task.levels)}; devices: {len(devices)} x {devices[0].platform}")
+
+        # ---- SFT warm start (cached)
+        if cfg.sft.steps > 0:
+            sft_bar = Progress(cfg.sft.steps, desc="sft")
+            sft_params, sft_info = sft_lib.load_or_train(
+                cfg.model, cfg.sft, train_tasks, cfg.seed,
+                on_step=lambda s, m: sft_bar.update(s + 1, nll=m["nll"]), log=say)
+            sft_bar.close()
+            if not sft_info["cached"]:
+                say(f"SFT: {cfg.sft.steps} steps in {sft_info['seconds']:.0f} s, final NLL "
+                    f"{sft_info['history'][-1]['nll']:.3f}; cached at {sft_info['path']}")
+            for rec in sft_info["history"][:: max(1, cfg.sft.log_every)] + sft_info["history"][-1:]:
+                writer.scalars(rec["step"] - cfg.sft.steps, {"sft/nll": rec["nll"]})
+        else:
+            sft_params, sft_info = None, {"cached": False, "seconds": 0.0, "history": []}
+
+        # ---- model, optimizer, mesh, train state
+        mesh = make_mesh(cfg.mesh)
+        rules = rules_from_config(cfg.mesh)
+        model = init_model(cfg.model, cfg.seed)
+        if sft_params is not None:
+            gd, st = nnx.split(model)
+            nnx.replace_by_pure_dict(st, sft_lib.merge_params(nnx.to_pure_dict(st), sft_params))
+            model = nnx.merge(gd, st)
+        optimizer = make_optimizer(cfg.optim)
+        graphdef, state = init_train_state(model, optimizer, cfg.seed, mesh, rules)
+        shardings = state_shardings(state)
+        ref_params = jax.tree.map(jnp.copy, state.params) if cfg.loss.kl_coef > 0 else None
+        start = 0
+        if cfg.resume:
+            restored = ckpt.restore_or_none(target=state)
+            if restored is not None:
+                state, extra = restored
+                start = int(extra["iteration"])
+                say(f"resumed from {ckpt_dir} at step {start}")
+            else:
+                say(f"resume: no checkpoint in {ckpt_dir}; starting from the warm start")
+        total = cfg.train.steps
+        sopts = cfg.sampling
+        train_step = make_train_step(
+            graphdef, cfg.loss, optimizer, microbatches=cfg.train.microbatches, temperature=sopts.temperature,
+            top_k=sopts.top_k or None, top_p=sopts.top_p, mesh=mesh, rules=rules, shardings=shardings,
+            log_entropy=True)
+        G, P = cfg.rollout.group_size, cfg.rollout.prompts_per_step
+        prepare = make_prepare_fn(cfg, graphdef, G, tokenizer.pad_id)
+        sampling = SamplingConfig(max_new_tokens=sopts.max_new_tokens, temperature=sopts.temperature,
+                                  top_k=sopts.top_k or None, top_p=sopts.top_p, stop_ids=(tokenizer.eos_id,),
+                                  pad_id=tokenizer.pad_id)
+        grader = Grader(pool, timeout=cfg.reward.timeout)
+        collector = RolloutCollector(graphdef, train_tasks, tokenizer, grader, sampling, cfg.reward, cfg.shaping, G)
+        eval_collector = RolloutCollector(graphdef, eval_tasks, tokenizer, grader, sampling, cfg.reward, cfg.shaping,
+                                          cfg.eval.num_samples)
+        base_key = jax.random.key(cfg.seed)
+        sample_key, eval_key = jax.random.fold_in(base_key, 1), jax.random.fold_in(base_key, 2)
+
+        def collect(params, version, count):
+            # Deterministic per (seed, count): a resumed run draws the same prompts again.
+            rng = np.random.default_rng([cfg.seed, count])
+            return collector.collect(params, rng, jax.random.fold_in(sample_key, count), version, P,
+                                     dynamic_sampling=cfg.shaping.dynamic_sampling, max_draws=cfg.rollout.max_draws)
+
+        def run_eval(step):
+            t0 = time.perf_counter()
+            m, texts = evaluate(eval_collector, state.params, cfg, eval_key)
+            m["eval/seconds"] = time.perf_counter() - t0
+            writer.scalars(step, m)
+            writer.text(step, "eval/samples", "\n\n".join(texts))
+            ks = "  ".join(f"pass@{k}={m[f'eval/pass@{k}']:.3f}" for k in cfg.eval.ks)
+            say(f"eval @ step {step}: {ks}  best_of_{cfg.eval.num_samples}="
+                f"{m[f'eval/best_of_{cfg.eval.num_samples}']:.3f}  len={m['eval/length']:.1f}  "
+                f"({m['eval/seconds']:.0f} s)")
+            return m
+
+        first_eval = last_eval = None
+        prev = ckpt.metrics(ckpt.latest_step()) if start and ckpt.latest_step() is not None else None
+        if prev:
+            first_eval = {k[len("first/"):]: v for k, v in prev.items() if k.startswith("first/")} or None
+        if start == 0 and cfg.eval.every >= 0 and cfg.eval.at_start:
+            first_eval = last_eval = run_eval(0)
+
+        async_mode = bool(cfg.rollout["async"])
+        if async_mode:
+            store = ParamStore(state.params, start)
+            sampler = AsyncSampler(collect, store, cfg.rollout.max_staleness)
+        mb_rng = np.random.default_rng([cfg.seed, 7, start])
+        progress = Progress(total, desc=f"{cfg.objective}" + (" async" if async_mode else ""), start=start)
+        interrupted = False
+        last_saved = start if start else None
+        step = start
+        dropped_stale = 0
+        window: dict[str, float] = {"pass": float("nan"), "reward": float("nan")}
+        with stop:
+            while step < total:
+                if stop.signal is not None:
+                    interrupted = True
+                    break
+                t0 = time.perf_counter()
+                if async_mode:
+                    while True:
+                        r = sampler.get()
+                        staleness = step - r.version
+                        if staleness <= cfg.rollout.max_staleness:
+                            break
+                        dropped_stale += 1
+                else:
+                    r = collect(state.params, step, step)
+                    staleness = 0
+                t_wait = time.perf_counter() - t0
+                t1 = time.perf_counter()
+                batch = prepare(state.params, ref_params, r)
+                if "batch" in hooks:
+                    batch = hooks["batch"](step, batch)
+                metrics_acc: dict[str, list] = {}
+                for _ in range(cfg.train.epochs):
+                    for mb in minibatches(batch, cfg.train.minibatches, G, mb_rng):
+                        state, m = train_step(state, mb)
+                        for k, v in m.items():
+                            metrics_acc.setdefault(k, []).append(v)
+                m = {k: float(np.mean(jax.device_get(v))) for k, v in metrics_acc.items()}
+                t_train = time.perf_counter() - t1
+                if not (np.isfinite(m["loss"]) and np.isfinite(m["grad_norm"])):
+                    ckpt.wait()
+                    path = os.path.join(workdir, f"nonfinite_batch_step{step}.npz")
+                    np.savez(path, **{k: np.asarray(v) for k, v in jax.device_get(batch).items()})
+                    stats = _stats_text(batch, r)
+                    last = ckpt.latest_step()
+                    raise NonFiniteLossError(
+                        f"non-finite loss at step {step} (loss={m['loss']}, grad_norm={m['grad_norm']}); batch "
+                        f"statistics: {json.dumps(stats)}; batch saved to {path}; last good checkpoint: "
+                        f"{'none' if last is None else f'step {last} in {ckpt_dir}'} (resume with --config.resume=True)")
+                step += 1
+                if async_mode:
+                    store.publish(state.params, step)
+                wall = time.perf_counter() - t0
+                scal = {f"train/{k}": v for k, v in m.items()}
+                scal.update(rollout_metrics(r))
+                gen_tokens = r.stats.get("generated_tokens", 0.0)
+                scal.update({
+                    "time/step_s": wall, "time/sample_s": r.stats["sample_s"], "time/execute_s": r.stats["execute_s"],
+                    "time/train_s": t_train, "time/wait_for_rollout_s": t_wait,
+                    "throughput/generated_tokens_per_s": gen_tokens / max(r.stats["sample_s"], 1e-9),
+                    "throughput/train_tokens_per_s": float(np.asarray(batch["mask"]).sum()) * cfg.train.epochs / max(t_train, 1e-9),
+                    "throughput/sandbox_execs_per_s": r.stats["executions"] / max(r.stats["execute_s"], 1e-9),
+                    "async/staleness": float(staleness), "async/dropped_stale": float(dropped_stale),
+                })
+                writer.scalars(step, scal)
+                if cfg.log.text_every and step % cfg.log.text_every == 0:
+                    writer.text(step, "rollout/samples", "\n\n".join(
+                        f"reward={r.rewards[i]:.2f}\n\n```\n{r.texts[i]}\n```" for i in range(min(cfg.log.num_texts, len(r.texts)))))
+                window["pass"] = scal["rollout/pass@1"]
+                window["reward"] = scal["rollout/reward"]
+                fields = {"reward": window["reward"], "pass@1": window["pass"]}
+                if last_eval is not None:
+                    fields["eval_pass@1"] = last_eval["eval/pass@1"]
+                progress.update(step, **fields)
+                if cfg.eval.every and step % cfg.eval.every == 0 and step < total:
+                    last_eval = run_eval(step)
+                if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < total:
+                    _save(ckpt, step, state, last_eval, first_eval)
+                    last_saved = step
+        if interrupted:
+            say(f"stopping on signal {stop.signal} after step {step}: saving a checkpoint")
+        else:
+            if cfg.eval.every >= 0 and cfg.eval.at_end:
+                last_eval = run_eval(step)
+        if step != last_saved and step > 0:
+            _save(ckpt, step, state, last_eval, first_eval)
+        ckpt.wait()
+        if interrupted:
+            say(f"checkpoint at step {step} saved in {ckpt_dir}; continue with --config.resume=True")
+        result = RunResult(workdir=workdir, steps_done=step, completed=step >= total, interrupted=interrupted,
+                           sft={k: v for k, v in sft_info.items() if k != "history"}, first_eval=first_eval,
+                           last_eval=last_eval, seconds=time.perf_counter() - t_start)
+        with open(os.path.join(workdir, "summary.json"), "w") as f:
+            json.dump(dataclasses.asdict(result), f, indent=2, sort_keys=True)
+        return result
+    finally:
+        if progress is not None:
+            progress.close()
+        if sampler is not None:
+            sampler.close()
+        writer.close()
+        ckpt.close()
+        if own_pool:
+            pool.close()
+
+
+def _save(ckpt: Checkpointer, step: int, state: Any, last_eval: dict | None, first_eval: dict | None) -> None:
+    metrics = dict(last_eval or {})
+    metrics.update({f"first/{k}": v for k, v in (first_eval or {}).items()})
+    ckpt.save(step, state, metrics=metrics, extra={"iteration": step}, force=True)

@@ -1,0 +1,320 @@
+"""Rollouts for program-synthesis RL: prompts -> G sampled bodies -> sandbox grading -> rewards.
+
+One `collect` call is one rollout batch of P prompts x G samples: the sampler prefills each
+prompt once and decodes its G rows against it (`rlcode.sampling.sample`), the bodies are graded
+on the task's held-out tests in the sandbox pool (one isolated execution per sample), and each
+row gets a reward made of logged terms. Rows keep the group-by-group layout that
+`rlcode.advantages.group_advantages` expects (row b belongs to prompt b // G).
+
+Rewards (`reward_config`):
+  * ``tests``: 1 if every held-out test passes (``tests="all_pass"``) or the fraction passed
+    (``"pass_fraction"``);
+  * ``overlong``: DAPO's soft overlong punishment when ``shaping.overlong_cache_length > 0``
+    (REFERENCE.md §3 of the objectives; `rlcode.advantages.overlong_penalty`);
+  * ``truncated``: ``-truncation_penalty`` for a row that hit ``max_new_tokens`` without its stop
+    token (its body is cut, so it usually fails anyway; the term makes the reason visible).
+
+A sample whose execution failed for infrastructure reasons (status "infra": a worker died, the
+sandbox could not start) is *masked*: ``valid[b] = False``, reward 0, excluded from the group
+statistics and from the loss; it is never scored as a failure of the policy.
+
+`collect` with ``dynamic_sampling`` (DAPO) keeps only groups whose valid rewards are not all
+equal, drawing new prompts until P groups are kept or ``max_draws`` draws were made; a batch that
+is still short is completed with the most recent dropped groups (their advantages are 0, so they
+add no gradient) and the count is reported as ``dynamic/filled``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from rlcode import advantages as adv_lib
+from rlcode.checks import apply_overrides, config_get, one_of
+from rlcode.envs.tasks import synth
+from rlcode.sampling import SamplingConfig, sample
+from rlcode.tokenizer import Tokenizer
+
+TEST_REWARDS = ("all_pass", "pass_fraction")
+REWARD_TERMS = ("tests", "overlong", "truncated")
+
+
+def reward_config(**overrides: Any) -> ml_collections.ConfigDict:
+    """The `reward` config section (see the module docstring)."""
+    cfg = ml_collections.ConfigDict({"tests": "all_pass", "truncation_penalty": 0.0, "timeout": 5.0})
+    apply_overrides(cfg, overrides, "reward")
+    return cfg
+
+
+@dataclasses.dataclass(frozen=True)
+class EncodedTasks:
+    """A task pool as fixed-shape token arrays: prompts [N, Lp] right-padded with pad_id,
+    prompt_lengths [N]; targets [N, M] the reference continuation + stop token (SFT),
+    target_lengths [N]."""
+
+    tasks: tuple[synth.SynthTask, ...]
+    prompts: np.ndarray
+    prompt_lengths: np.ndarray
+    targets: np.ndarray
+    target_lengths: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+
+def encode_tasks(tasks: Sequence[synth.SynthTask], tokenizer: Tokenizer, max_prompt_len: int,
+                 max_new_tokens: int, *, what: str = "tasks") -> EncodedTasks:
+    """Tokenise `synth.completion_prompt` (after a BOS) and `synth.completion_target` (+ EOS).
+
+    Tasks whose prompt is longer than `max_prompt_len`, or whose reference continuation does not
+    fit `max_new_tokens`, are left out (the caller sees how many through ``len``); raises if none
+    is left.
+    """
+    bos, eos, pad = tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id
+    kept, prompts, targets = [], [], []
+    for task in tasks:
+        p = [bos] + tokenizer.encode(synth.completion_prompt(task))
+        t = tokenizer.encode(synth.completion_target(task)) + [eos]
+        if len(p) <= max_prompt_len and len(t) <= max_new_tokens:
+            kept.append(task)
+            prompts.append(p)
+            targets.append(t)
+    if not kept:
+        raise ValueError(f"no {what} fit max_prompt_len={max_prompt_len} and max_new_tokens={max_new_tokens}")
+
+    def pad_to(rows, width):
+        out = np.full((len(rows), width), pad, np.int32)
+        for i, r in enumerate(rows):
+            out[i, : len(r)] = r
+        return out, np.asarray([len(r) for r in rows], np.int32)
+
+    prompt_arr, prompt_len = pad_to(prompts, max_prompt_len)
+    target_arr, target_len = pad_to(targets, max_new_tokens)
+    return EncodedTasks(tuple(kept), prompt_arr, prompt_len, target_arr, target_len)
+
+
+def trim_batch(batch: dict[str, jax.Array], needed: int, multiple: int) -> dict[str, jax.Array]:
+    """Cut the time axis of a [B, T] batch to `needed` positions rounded up to `multiple` (at most
+    T): the positions beyond every row's last target are padding, and dropping them saves their
+    compute. Rounding keeps the number of distinct shapes (compilations) small."""
+    T = batch["inputs"].shape[1]
+    keep = min(T, -(-max(needed, 1) // multiple) * multiple)
+    if keep == T:
+        return batch
+    return {k: v[:, :keep] if v.ndim == 2 and v.shape[1] == T else v for k, v in batch.items()}
+
+
+@dataclasses.dataclass
+class Rollout:
+    """One rollout batch on the host (numpy), B = P * G rows group by group.
+
+    task_ids [P] indices into the task pool; prompts [P, Lp], prompt_lengths [P];
+    tokens, logprobs, mask [B, M] (the sampler's output, behaviour log-probs at temperature);
+    lengths [B]; rewards [B]; terms {name: [B]}; valid [B] (False = infrastructure failure);
+    passed [B] all tests passed; pass_fraction [B]; version: the parameter version sampled with;
+    texts: the decoded completions; stats: counters and timings of the collection.
+    """
+
+    task_ids: np.ndarray
+    prompts: np.ndarray
+    prompt_lengths: np.ndarray
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    mask: np.ndarray
+    lengths: np.ndarray
+    rewards: np.ndarray
+    terms: dict[str, np.ndarray]
+    valid: np.ndarray
+    passed: np.ndarray
+    pass_fraction: np.ndarray
+    version: int
+    texts: list[str]
+    stats: dict[str, float]
+
+    @property
+    def group_size(self) -> int:
+        return self.tokens.shape[0] // self.prompts.shape[0]
+
+
+def _select_groups(r: Rollout, groups: Sequence[int]) -> Rollout:
+    G = r.group_size
+    rows = np.concatenate([np.arange(g * G, (g + 1) * G) for g in groups]).astype(np.int64)
+    groups = np.asarray(groups, np.int64)
+    return dataclasses.replace(
+        r, task_ids=r.task_ids[groups], prompts=r.prompts[groups], prompt_lengths=r.prompt_lengths[groups],
+        tokens=r.tokens[rows], logprobs=r.logprobs[rows], mask=r.mask[rows], lengths=r.lengths[rows],
+        rewards=r.rewards[rows], terms={k: v[rows] for k, v in r.terms.items()}, valid=r.valid[rows],
+        passed=r.passed[rows], pass_fraction=r.pass_fraction[rows], texts=[r.texts[i] for i in rows])
+
+
+def concat_rollouts(parts: Sequence[Rollout]) -> Rollout:
+    """Concatenate rollout batches (same G); stats are summed, version is the oldest."""
+    cat = lambda name: np.concatenate([getattr(p, name) for p in parts])
+    stats: dict[str, float] = {}
+    for p in parts:
+        for k, v in p.stats.items():
+            stats[k] = stats.get(k, 0.0) + v
+    return Rollout(
+        task_ids=cat("task_ids"), prompts=cat("prompts"), prompt_lengths=cat("prompt_lengths"), tokens=cat("tokens"),
+        logprobs=cat("logprobs"), mask=cat("mask"), lengths=cat("lengths"), rewards=cat("rewards"),
+        terms={k: np.concatenate([p.terms[k] for p in parts]) for k in parts[0].terms}, valid=cat("valid"),
+        passed=cat("passed"), pass_fraction=cat("pass_fraction"), version=min(p.version for p in parts),
+        texts=[t for p in parts for t in p.texts], stats=stats)
+
+
+class Grader:
+    """Grades completions of synth tasks in a sandbox pool, all executions in flight at once.
+
+    pool: a `rlcode.sandbox.SandboxPool` (or anything with its `submit_python` / `gather`).
+    """
+
+    def __init__(self, pool: Any, timeout: float = 5.0):
+        self.pool = pool
+        self.timeout = timeout
+
+    def grade(self, tasks: Sequence[synth.SynthTask], bodies: Sequence[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict]:
+        """(pass_fraction [B] float, valid [B] bool, timed_out [B] bool, counts) for body b of task b."""
+        futures = [self.pool.submit_python(synth.grading_program(t, body), inprocess=True, timeout=self.timeout)
+                   for t, body in zip(tasks, bodies)]
+        results = self.pool.gather(futures)
+        frac = np.zeros(len(tasks), np.float32)
+        valid = np.ones(len(tasks), bool)
+        timed_out = np.zeros(len(tasks), bool)
+        for i, (task, res) in enumerate(zip(tasks, results)):
+            if res is None or res.status == "infra":  # never ran, or its worker died: mask
+                valid[i] = False
+                continue
+            timed_out[i] = res.status == "timeout"
+            passed, total = synth.parse_grading_output(res.stdout, expected_total=len(task.tests))
+            frac[i] = passed / total if total else 0.0
+        counts = {"infra": float((~valid).sum()), "timeout": float(timed_out.sum()), "executions": float(len(tasks))}
+        return frac, valid, timed_out, counts
+
+
+class RolloutCollector:
+    """Samples and grades rollout batches from a pool of encoded tasks.
+
+    Args:
+      graphdef: the policy's graph definition (`nnx.split`).
+      tasks: the encoded task pool to draw prompts from.
+      tokenizer: decodes completions (stop token = EOS).
+      grader: a `Grader`.
+      sampling: the sampler's `SamplingConfig` (its stop_ids must contain the EOS id).
+      reward: a `reward` config section; shaping: the recipe's `shaping` section.
+      group_size: G samples per prompt.
+      sample_fn: the sampler (default `rlcode.sampling.sample`); the signature of that function.
+    """
+
+    def __init__(self, graphdef: Any, tasks: EncodedTasks, tokenizer: Tokenizer, grader: Grader,
+                 sampling: SamplingConfig, reward: Any, shaping: Any, group_size: int,
+                 sample_fn: Callable = sample):
+        one_of(reward.tests, TEST_REWARDS, "reward.tests")
+        if tokenizer.eos_id not in sampling.stop_ids:
+            raise ValueError("the sampler's stop_ids must contain the tokenizer's EOS id")
+        self.graphdef = graphdef
+        self.tasks = tasks
+        self.tokenizer = tokenizer
+        self.grader = grader
+        self.sampling = sampling
+        self.reward = reward
+        self.shaping = shaping
+        self.group_size = group_size
+        self.sample_fn = sample_fn
+
+    def decode(self, tokens: np.ndarray, lengths: np.ndarray) -> list[str]:
+        eos = self.tokenizer.eos_id
+        out = []
+        for row, n in zip(tokens, lengths):
+            ids = [int(t) for t in row[:n] if int(t) != eos]
+            out.append(self.tokenizer.decode(ids, skip_special=True))
+        return out
+
+    def sample_and_grade(self, params: Any, task_ids: np.ndarray, key: jax.Array, version: int,
+                         group_size: int | None = None) -> Rollout:
+        """One batch for the given task ids (no dynamic sampling)."""
+        G = group_size or self.group_size
+        task_ids = np.asarray(task_ids, np.int64)
+        prompts = self.tasks.prompts[task_ids]
+        prompt_lengths = self.tasks.prompt_lengths[task_ids]
+        t0 = time.perf_counter()
+        out = self.sample_fn(self.graphdef, params, jnp.asarray(prompts), jnp.asarray(prompt_lengths), key,
+                             group_size=G, cfg=self.sampling)
+        out = jax.device_get(out)
+        t1 = time.perf_counter()
+        tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+        texts = self.decode(tokens, lengths)
+        row_tasks = [self.tasks.tasks[i] for i in np.repeat(task_ids, G)]
+        frac, valid, timed_out, counts = self.grader.grade(row_tasks, texts)
+        t2 = time.perf_counter()
+
+        M = self.sampling.max_new_tokens
+        mask = np.asarray(out.mask, bool)
+        stopped = np.isin(tokens, np.asarray(self.sampling.stop_ids)).any(-1)
+        truncated = ~stopped & (lengths >= M)
+        tests = (frac >= 1.0).astype(np.float32) if self.reward.tests == "all_pass" else frac
+        terms = {"tests": tests, "truncated": -self.reward.truncation_penalty * truncated.astype(np.float32)}
+        cache = config_get(self.shaping, "overlong_cache_length", 0)
+        if cache:
+            terms["overlong"] = np.asarray(adv_lib.overlong_penalty(jnp.asarray(lengths), M, cache), np.float32)
+        else:
+            terms["overlong"] = np.zeros_like(tests)
+        terms = {k: np.where(valid, v, 0.0).astype(np.float32) for k, v in terms.items()}
+        rewards = sum(terms.values()).astype(np.float32)
+        stats = dict(counts, sample_s=t1 - t0, execute_s=t2 - t1, generated_tokens=float(mask.sum()),
+                     truncated=float(truncated.sum()))
+        return Rollout(task_ids=task_ids, prompts=prompts, prompt_lengths=prompt_lengths, tokens=tokens,
+                       logprobs=np.asarray(out.logprobs, np.float32), mask=mask, lengths=lengths, rewards=rewards,
+                       terms=terms, valid=valid, passed=(frac >= 1.0) & valid, pass_fraction=frac,
+                       version=version, texts=texts, stats=stats)
+
+    def collect(self, params: Any, rng: np.random.Generator, key: jax.Array, version: int,
+                num_prompts: int, dynamic_sampling: bool = False, max_draws: int = 4) -> Rollout:
+        """A batch of `num_prompts` groups; with `dynamic_sampling`, informative groups only
+        (see the module docstring). Prompts are drawn without replacement within a draw."""
+        if not dynamic_sampling:
+            ids = rng.choice(len(self.tasks), size=num_prompts, replace=False)
+            r = self.sample_and_grade(params, ids, key, version)
+            r.stats.update(draws=1.0, dropped_groups=0.0, filled=0.0)
+            return r
+        kept: list[Rollout] = []
+        dropped: list[Rollout] = []
+        stats: dict[str, float] = {}
+        n_kept = n_dropped = 0
+        draws = 0
+        for draws in range(1, max_draws + 1):
+            ids = rng.choice(len(self.tasks), size=num_prompts, replace=False)
+            r = self.sample_and_grade(params, ids, jax.random.fold_in(key, draws), version)
+            for k, v in r.stats.items():
+                stats[k] = stats.get(k, 0.0) + v
+            G = r.group_size
+            informative = []
+            for g in range(num_prompts):
+                rows = slice(g * G, (g + 1) * G)
+                vals = r.rewards[rows][r.valid[rows]]
+                informative.append(vals.size >= 2 and np.ptp(vals) > 0)
+            good = [g for g, ok in enumerate(informative) if ok][: num_prompts - n_kept]
+            bad = [g for g, ok in enumerate(informative) if not ok]
+            if good:
+                kept.append(_select_groups(r, good))
+                n_kept += len(good)
+            if bad:
+                dropped.append(_select_groups(r, bad))
+                n_dropped += len(bad)
+            if n_kept >= num_prompts:
+                break
+        filled = num_prompts - n_kept
+        parts = list(kept)
+        if filled:
+            spare = concat_rollouts(dropped[::-1])
+            parts.append(_select_groups(spare, list(range(filled))))
+        out = concat_rollouts(parts)
+        # The per-draw counters and timings, each draw once (the parts copied them).
+        out.stats = dict(stats, draws=float(draws), dropped_groups=float(n_dropped), filled=float(filled))
+        return out

@@ -1,0 +1,32 @@
+"""The README's main-job command, shrunk by flags to a few steps of a tiny model."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+TINY = [
+    "--config.model.d_model=32", "--config.model.num_layers=1", "--config.model.num_heads=2",
+    "--config.model.num_kv_heads=1", "--config.model.head_dim=16", "--config.model.ffw_dim=64",
+    "--config.task.levels=(1,)", "--config.task.num_train=24", "--config.task.num_eval=4",
+    "--config.task.max_prompt_len=160", "--config.sampling.max_new_tokens=48",
+    "--config.rollout.prompts_per_step=2", "--config.rollout.group_size=4", "--config.sft.steps=2",
+    "--config.sft.batch_size=4", "--config.train.steps=2", "--config.eval.every=0", "--config.eval.num_samples=4",
+    "--config.eval.ks=(1,4)", "--config.eval.prompts_per_batch=4",
+]
+
+
+def test_main_job_command_runs(tmp_path):
+    cmd = [sys.executable, "-m", "experiments.train", "--config=configs/grpo_synth.py:loss=dapo",
+           f"--config.workdir={tmp_path / 'run'}", f"--config.sft.cache_dir={tmp_path / 'sft'}", *TINY]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout[out.stdout.index("{"):])
+    assert result["completed"] and result["steps"] == 2
+    start, end = result["start -> end"]["eval/pass@1"]
+    assert 0 <= start <= 1 and 0 <= end <= 1
+    assert "eval @ step 2" in out.stderr and "dapo 2/2" in out.stderr  # final eval, progress bar
+    assert (tmp_path / "run" / "checkpoints" / "2").is_dir()
+    assert (tmp_path / "run" / "summary.json").is_file()

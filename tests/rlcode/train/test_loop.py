@@ -1,0 +1,230 @@
+"""The main job end to end on a tiny config: logging, checkpoints, resume, signals, NaN, async,
+PPO, config validation, a device mesh, and a sandbox worker dying mid-step."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+import tiny_job  # noqa: E402  (the tiny config; also the script the subprocess tests run)
+
+from rlcode.train import loop  # noqa: E402
+from rlcode.train.checkpoint import Checkpointer  # noqa: E402
+from rlcode.train.metrics import read_jsonl, read_scalars  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module")
+def pool():
+    from rlcode.sandbox import SandboxPool
+
+    p = SandboxPool(2)
+    yield p
+    p.close()
+
+
+# --------------------------------------------------------------------------- config errors
+
+
+@pytest.mark.parametrize(
+    "overrides, devices, message",
+    [
+        ({"loss__kind": "nope"}, None, "loss.kind"),
+        ({"rollout__group_size": 1}, None, "rollout.group_size=1"),
+        ({"advantage__estimator": "gae"}, None, "model.value_head"),
+        ({"advantage__estimator": "bootstrap"}, None, "advantage.estimator"),
+        ({"rollout__group_size": 3}, 8, "not divisible by the mesh"),
+        ({"mesh__data": 3}, 8, "does not fit 8 devices"),
+        ({"eval__ks": (1, 8)}, None, "eval.ks"),
+        ({"train__minibatches": 3}, None, "train.minibatches"),
+        ({"task__levels": (1, 9)}, None, "task.levels"),
+        ({"rollout__async": True, "rollout__max_staleness": 0}, None, "max_staleness"),
+    ],
+)
+def test_bad_config_fails_at_start_naming_the_field(tmp_path, overrides, devices, message):
+    cfg = tiny_job.tiny_config(tmp_path, **overrides)
+    with pytest.raises(ValueError, match=message.replace(".", r"\.").replace("(", r"\(")):
+        loop.validate_config(cfg, devices)
+
+
+def test_unknown_recipe_in_config_argument_names_it():
+    with pytest.raises(ValueError, match="loss='nope'"):
+        tiny_job.load_config("loss=nope")
+    with pytest.raises(ValueError, match="expected one of"):
+        tiny_job.load_config("objective=grpo")
+
+
+def test_existing_run_needs_resume(tmp_path, pool):
+    cfg = tiny_job.tiny_config(tmp_path, steps=1, eval__at_start=False, eval__at_end=False)
+    loop.run(cfg, pool=pool)
+    with pytest.raises(ValueError, match="resume=True"):
+        loop.run(cfg, pool=pool)
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+REQUIRED_TAGS = [
+    "train/loss", "train/policy_loss", "train/entropy", "train/kl_ref", "train/clip_frac_low", "train/clip_frac_high",
+    "train/is_ess_frac", "train/is_frac_truncated", "train/grad_norm", "rollout/reward", "rollout/reward_tests",
+    "rollout/pass@1", "rollout/length", "eval/pass@1", "eval/pass@4", "eval/best_of_4", "eval/length",
+    "eval/reward_tests", "time/sample_s", "time/execute_s", "time/train_s", "throughput/generated_tokens_per_s",
+    "throughput/sandbox_execs_per_s", "async/staleness", "sft/nll",
+]
+
+
+def test_job_runs_logs_checkpoints_and_resumes(tmp_path, pool):
+    cfg = tiny_job.tiny_config(tmp_path / "run", steps=3, sft__steps=2)
+    result = loop.run(cfg, pool=pool)
+    assert result.completed and result.steps_done == 3 and not result.interrupted
+    assert not result.sft["cached"]
+    scalars = read_scalars(tmp_path / "run" / "tb")
+    missing = [t for t in REQUIRED_TAGS if t not in scalars]
+    assert not missing, missing
+    assert [s for s, _ in scalars["train/loss"]] == [1, 2, 3]
+    assert [s for s, _ in scalars["eval/pass@1"]] == [0, 2, 3]  # start, every 2, end
+    for tag in ("eval/pass@1", "eval/best_of_4", "rollout/pass@1"):
+        assert all(0.0 <= v <= 1.0 for _, v in scalars[tag])
+    assert all(np.isfinite(v) for _, v in scalars["train/loss"])
+    # pass@1 <= pass@4 = best_of_4 for n = 4 samples.
+    for (_, p1), (_, p4), (_, b4) in zip(scalars["eval/pass@1"], scalars["eval/pass@4"], scalars["eval/best_of_4"]):
+        assert p1 <= p4 + 1e-6 and abs(p4 - b4) < 1e-6
+    text = open(next((tmp_path / "run" / "tb").glob("events.out.tfevents.*")), "rb").read()
+    assert b"rollout/samples" in text and b"eval/samples" in text
+    summary = json.load(open(tmp_path / "run" / "summary.json"))
+    assert summary["completed"] and summary["first_eval"]["eval/pass@1"] == scalars["eval/pass@1"][0][1]
+    assert Checkpointer(tmp_path / "run" / "checkpoints", read_only=True).latest_step() == 3
+
+    # Resume with a longer schedule: continues at step 3, the SFT warm start comes from its cache.
+    cfg.train.steps = 5
+    cfg.resume = True
+    result = loop.run(cfg, pool=pool)
+    assert result.completed and result.steps_done == 5
+    assert result.sft["cached"]
+    assert result.first_eval["eval/pass@1"] == summary["first_eval"]["eval/pass@1"]
+    steps = [r["step"] for r in read_jsonl(tmp_path / "run" / "tb") if "train/loss" in r]
+    assert steps == [1, 2, 3, 4, 5]
+
+
+def test_nonfinite_loss_stops_with_statistics_and_keeps_checkpoints(tmp_path, pool):
+    cfg = tiny_job.tiny_config(tmp_path, steps=4, eval__at_start=False)
+
+    def poison(step, batch):
+        if step == 1:
+            batch = dict(batch, old_logp=batch["old_logp"].at[0, :].set(jnp.nan))
+        return batch
+
+    with pytest.raises(loop.NonFiniteLossError) as err:
+        loop.run(cfg, pool=pool, hooks={"batch": poison})
+    msg = str(err.value)
+    assert "non-finite loss at step 1" in msg and "old_logp" in msg and '"nonfinite"' in msg
+    assert "last good checkpoint: step 1" in msg
+    saved = np.load(tmp_path / "nonfinite_batch_step1.npz")
+    assert np.isnan(saved["old_logp"]).any()
+    ckpt = Checkpointer(tmp_path / "checkpoints", read_only=True)
+    assert ckpt.all_steps() == [1]
+    state, extra = ckpt.restore()
+    assert extra["iteration"] == 1
+    floats = [np.asarray(x) for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.floating)]
+    assert floats and all(np.isfinite(x).all() for x in floats)
+
+
+def test_ppo_with_value_head_and_gae(tmp_path, pool):
+    cfg = tiny_job.tiny_config(tmp_path, steps=2, arg="loss=ppo", eval__at_start=False)
+    assert cfg.model.value_head and cfg.advantage.estimator == "gae"
+    result = loop.run(cfg, pool=pool)
+    assert result.completed
+    scalars = read_scalars(tmp_path / "tb")
+    assert "train/value_loss" in scalars and "train/explained_variance" in scalars
+    assert all(np.isfinite(v) for _, v in scalars["train/value_loss"])
+
+
+def test_async_mode_bounds_staleness(tmp_path, pool):
+    cfg = tiny_job.tiny_config(tmp_path, steps=4, rollout__async=True, rollout__max_staleness=1,
+                               eval__every=0, eval__at_start=False)
+    result = loop.run(cfg, pool=pool)
+    assert result.completed and result.steps_done == 4
+    rows = [r for r in read_jsonl(tmp_path / "tb") if "async/staleness" in r]
+    assert len(rows) == 4
+    assert all(0 <= r["async/staleness"] <= 1 for r in rows)
+    assert rows[0]["async/staleness"] == 0  # the first batch was sampled with the initial parameters
+    assert all("train/is_weight_mean" in r for r in rows)
+
+
+def test_dynamic_sampling_runs(tmp_path, pool):
+    cfg = tiny_job.tiny_config(tmp_path, steps=2, arg="loss=dapo", eval__at_start=False, eval__at_end=False)
+    assert cfg.shaping.dynamic_sampling
+    loop.run(cfg, pool=pool)
+    rows = [r for r in read_jsonl(tmp_path / "tb") if "rollout/draws" in r]
+    assert rows and all(1 <= r["rollout/draws"] <= cfg.rollout.max_draws for r in rows)
+    assert all("rollout/dropped_groups" in r and 0 <= r["rollout/filled"] <= cfg.rollout.prompts_per_step for r in rows)
+
+
+# --------------------------------------------------------------------------- subprocesses
+
+
+def _start(workdir, steps, *extra, env=None):
+    return subprocess.Popen([sys.executable, os.path.join(HERE, "tiny_job.py"), str(workdir), str(steps), *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _wait_for_checkpoint(workdir, step, proc, timeout=240):
+    path = os.path.join(workdir, "checkpoints", str(step))
+    t0 = time.time()
+    while not os.path.isdir(path):
+        if proc.poll() is not None:
+            raise AssertionError(f"job exited early: {proc.communicate()}")
+        if time.time() - t0 > timeout:
+            proc.kill()
+            raise AssertionError(f"no checkpoint {step} after {timeout} s")
+        time.sleep(0.2)
+
+
+def test_ctrl_c_saves_and_sigkill_resumes(tmp_path, pool):
+    workdir = tmp_path / "run"
+    # Ctrl-C: the job finishes its step, saves a checkpoint and exits cleanly.
+    proc = _start(workdir, 40, "eval.every=0", "checkpoint.every=4")
+    _wait_for_checkpoint(workdir, 4, proc)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["interrupted"] and not result["completed"]
+    stopped_at = result["steps_done"]
+    assert stopped_at >= 4 and "continue with --config.resume=True" in err
+    assert Checkpointer(workdir / "checkpoints", read_only=True).latest_step() == stopped_at
+
+    # SIGKILL after the next checkpoint: nothing to clean up, resume continues from the last one.
+    proc = _start(workdir, 40, "eval.every=0", "checkpoint.every=1", "resume=True")
+    _wait_for_checkpoint(workdir, stopped_at + 1, proc)
+    proc.kill()
+    proc.communicate()
+    latest = Checkpointer(workdir / "checkpoints", read_only=True).latest_step()
+    assert latest >= stopped_at + 1
+
+    cfg = tiny_job.tiny_config(workdir, steps=latest + 2, resume=True, eval__every=0)
+    result = loop.run(cfg, pool=pool)
+    assert result.completed and result.steps_done == latest + 2
+    steps = [r["step"] for r in read_jsonl(workdir / "tb") if "train/loss" in r]
+    assert steps[-2:] == [latest + 1, latest + 2]
+
+
+def test_job_on_eight_fake_devices(tmp_path):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    proc = _start(tmp_path, 2, "mesh.data=4", "mesh.fsdp=2", "eval.every=0", env=env)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["completed"]
+    assert "devices: 8 x cpu" in err
+    rows = [r for r in read_jsonl(tmp_path / "tb") if "train/loss" in r]
+    assert len(rows) == 2 and all(np.isfinite(r["train/loss"]) for r in rows)
