@@ -51,8 +51,10 @@ def get_config(arg=None):
     cfg.mesh = mesh_config()
 
     # Task suite: depth-1 and depth-2 programs; prompts up to 192 bytes (about 95% of tasks).
+    # num_eval: held-out behaviours (the reported eval); num_fresh: new tasks of the training
+    # distribution, never trained on (an in-distribution check, logged as eval_fresh/).
     cfg.task = ml_collections.ConfigDict(
-        {"levels": (1, 2), "num_train": 4000, "num_eval": 64, "max_prompt_len": 192, "seed": 0})
+        {"levels": (1, 2), "num_train": 4000, "num_eval": 64, "num_fresh": 32, "max_prompt_len": 192, "seed": 0})
     cfg.sampling = ml_collections.ConfigDict({"max_new_tokens": 80, "temperature": 1.0, "top_k": 0, "top_p": 1.0})
     cfg.rollout = ml_collections.ConfigDict(
         {"prompts_per_step": 8, "group_size": 8, "async": False, "max_staleness": 1, "max_draws": 4})

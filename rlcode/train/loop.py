@@ -122,18 +122,33 @@ def validate_config(cfg: Any, num_devices: int | None = None) -> None:
 # ------------------------------------------------------------------------------ tasks
 
 
-def build_tasks(cfg: Any, tokenizer: ByteTokenizer) -> tuple[EncodedTasks, EncodedTasks]:
-    """(train pool, eval pool). The train pool holds `task.num_train` tasks of the train split,
-    task seeds ``task.seed * 1_000_003 + j`` cycling through `task.levels`; it serves as SFT
-    demonstrations (their reference solutions) and as RL prompts. The eval pool is
-    `synth.make_split("eval", task.num_eval, ...)`: distinct held-out behaviours, none in train."""
+FRESH_SEED_OFFSET = 500_000
+
+
+def build_tasks(cfg: Any, tokenizer: ByteTokenizer) -> tuple[EncodedTasks, EncodedTasks, EncodedTasks | None]:
+    """(train pool, held-out eval pool, fresh in-distribution pool or None).
+
+    The train pool holds `task.num_train` tasks of the train split, task seeds
+    ``task.seed * 1_000_003 + j`` cycling through `task.levels`; it serves as SFT demonstrations
+    (their reference solutions) and as RL prompts. The eval pool is `synth.make_split("eval",
+    task.num_eval, ...)`: distinct held-out behaviours, none of which occurs in training. The
+    fresh pool (`task.num_fresh` > 0) holds train-split tasks with seeds from
+    ``FRESH_SEED_OFFSET`` on, never trained on: new examples and tests, but programs of the
+    training distribution (a program may recur), i.e. an in-distribution test set."""
     levels = tuple(cfg.task.levels)
     base = cfg.task.seed * 1_000_003
+    if cfg.task.num_train > FRESH_SEED_OFFSET:
+        raise ValueError(f"task.num_train={cfg.task.num_train} must be <= {FRESH_SEED_OFFSET}")
     train = [synth.generate_task(base + j, levels[j % len(levels)], "train") for j in range(cfg.task.num_train)]
     evals = synth.make_split("eval", cfg.task.num_eval, seed=cfg.task.seed, levels=levels)
     M, Lp = cfg.sampling.max_new_tokens, cfg.task.max_prompt_len
+    fresh = None
+    if cfg.task.num_fresh:
+        tasks = [synth.generate_task(base + FRESH_SEED_OFFSET + j, levels[j % len(levels)], "train")
+                 for j in range(cfg.task.num_fresh)]
+        fresh = encode_tasks(tasks, tokenizer, Lp, M, what="fresh tasks")
     return (encode_tasks(train, tokenizer, Lp, M, what="train tasks"),
-            encode_tasks(evals, tokenizer, Lp, M, what="eval tasks"))
+            encode_tasks(evals, tokenizer, Lp, M, what="eval tasks"), fresh)
 
 
 # ------------------------------------------------------------------------------ batches
@@ -217,8 +232,10 @@ def rollout_metrics(r: Rollout, prefix: str = "rollout") -> dict[str, float]:
 # ------------------------------------------------------------------------------ evaluation
 
 
-def evaluate(collector: RolloutCollector, params: Any, cfg: Any, key: jax.Array) -> tuple[dict[str, float], list[str]]:
-    """pass@k / best-of-n / length / reward terms on every task of the collector's (eval) pool.
+def evaluate(collector: RolloutCollector, params: Any, cfg: Any, key: jax.Array,
+             prefix: str = "eval") -> tuple[dict[str, float], list[str]]:
+    """pass@k / best-of-n / length / reward terms on every task of the collector's pool, as
+    ``<prefix>/<name>`` metrics.
 
     The same `key` at every evaluation (common random numbers), so a change between two
     evaluations comes from the parameters, not the sampling noise of the draw."""
@@ -236,22 +253,22 @@ def evaluate(collector: RolloutCollector, params: Any, cfg: Any, key: jax.Array)
     frac = np.concatenate([r.pass_fraction.reshape(-1, n)[:keep] for r, keep in parts])
     # An infrastructure failure is not a policy failure: grade such a sample as missing by
     # counting it incorrect only if nothing else is known (they are reported separately).
-    metrics = {f"eval/{k}": v for k, v in eval_summary(passed & valid, ks=tuple(cfg.eval.ks)).items()}
+    metrics = {f"{prefix}/{k}": v for k, v in eval_summary(passed & valid, ks=tuple(cfg.eval.ks)).items()}
     metrics.update({
-        "eval/length": float(lengths.mean()),
-        "eval/pass_fraction": float(frac.mean()),
-        "eval/infra": float((~valid).sum()),
-        "eval/sample_s": float(sum(r.stats["sample_s"] for r, _ in parts)),
-        "eval/execute_s": float(sum(r.stats["execute_s"] for r, _ in parts)),
+        f"{prefix}/length": float(lengths.mean()),
+        f"{prefix}/pass_fraction": float(frac.mean()),
+        f"{prefix}/infra": float((~valid).sum()),
+        f"{prefix}/sample_s": float(sum(r.stats["sample_s"] for r, _ in parts)),
+        f"{prefix}/execute_s": float(sum(r.stats["execute_s"] for r, _ in parts)),
     })
     for name in parts[0][0].terms:
-        metrics[f"eval/reward_{name}"] = float(np.concatenate(
+        metrics[f"{prefix}/reward_{name}"] = float(np.concatenate(
             [r.terms[name].reshape(-1, n)[:keep] for r, keep in parts]).mean())
     by_level: dict[int, list[float]] = {}
     for task, row in zip(collector.tasks.tasks, passed):
         by_level.setdefault(task.difficulty, []).append(float(row.mean()))
     for level, vals in sorted(by_level.items()):
-        metrics[f"eval/pass@1_L{level}"] = float(np.mean(vals))
+        metrics[f"{prefix}/pass@1_L{level}"] = float(np.mean(vals))
     r0 = parts[0][0]
     texts = [f"task {collector.tasks.tasks[int(r0.task_ids[0])].task_id} sample {i} "
              f"(passed={bool(r0.passed[i])}):\n\n```\n{r0.texts[i]}\n```" for i in range(min(3, n))]
@@ -425,11 +442,12 @@ def run(cfg: Any, *, pool: Any = None, log: Callable[[str], None] | None = None,
         tokenizer = ByteTokenizer()
         if cfg.model.vocab_size < tokenizer.vocab_size:
             raise ValueError(f"model.vocab_size={cfg.model.vocab_size} < the tokenizer's {tokenizer.vocab_size}")
-        train_tasks, eval_tasks = build_tasks(cfg, tokenizer)
+        train_tasks, eval_tasks, fresh_tasks = build_tasks(cfg, tokenizer)
         if len(train_tasks) < cfg.rollout.prompts_per_step:
             raise ValueError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} > the {len(train_tasks)} train tasks")
         say = log or (lambda m: progress.write(m) if progress is not None else print(m, file=sys.stderr, flush=True))
-        say(f"tasks: {len(train_tasks)} train (SFT demos and RL prompts), {len(eval_tasks)} held-out eval; "
+        say(f"tasks: {len(train_tasks)} train (SFT demos and RL prompts), {len(eval_tasks)} held-out eval, "
+            f"{len(fresh_tasks) if fresh_tasks else 0} fresh in-distribution eval; "
             f"levels {tuple(cfg.task.levels)}; devices: {len(devices)} x {devices[0].platform}")
 
         # ---- SFT warm start (cached)
@@ -481,8 +499,10 @@ def run(cfg: Any, *, pool: Any = None, log: Callable[[str], None] | None = None,
                                   pad_id=tokenizer.pad_id)
         grader = Grader(pool, timeout=cfg.reward.timeout)
         collector = RolloutCollector(graphdef, train_tasks, tokenizer, grader, sampling, cfg.reward, cfg.shaping, G)
-        eval_collector = RolloutCollector(graphdef, eval_tasks, tokenizer, grader, sampling, cfg.reward, cfg.shaping,
-                                          cfg.eval.num_samples)
+        eval_collectors = {"eval": eval_tasks, "eval_fresh": fresh_tasks}
+        eval_collectors = {name: RolloutCollector(graphdef, pool_, tokenizer, grader, sampling, cfg.reward, cfg.shaping,
+                                                  cfg.eval.num_samples)
+                           for name, pool_ in eval_collectors.items() if pool_ is not None}
         base_key = jax.random.key(cfg.seed)
         sample_key, eval_key = jax.random.fold_in(base_key, 1), jax.random.fold_in(base_key, 2)
 
@@ -493,16 +513,19 @@ def run(cfg: Any, *, pool: Any = None, log: Callable[[str], None] | None = None,
                                      dynamic_sampling=cfg.shaping.dynamic_sampling, max_draws=cfg.rollout.max_draws)
 
         def run_eval(step):
-            t0 = time.perf_counter()
-            m, texts = evaluate(eval_collector, state.params, cfg, eval_key)
-            m["eval/seconds"] = time.perf_counter() - t0
-            writer.scalars(step, m)
-            writer.text(step, "eval/samples", "\n\n".join(texts))
-            ks = "  ".join(f"pass@{k}={m[f'eval/pass@{k}']:.3f}" for k in cfg.eval.ks)
-            say(f"eval @ step {step}: {ks}  best_of_{cfg.eval.num_samples}="
-                f"{m[f'eval/best_of_{cfg.eval.num_samples}']:.3f}  len={m['eval/length']:.1f}  "
-                f"({m['eval/seconds']:.0f} s)")
-            return m
+            out = {}
+            for name, col in eval_collectors.items():
+                t0 = time.perf_counter()
+                m, texts = evaluate(col, state.params, cfg, eval_key, prefix=name)
+                m[f"{name}/seconds"] = time.perf_counter() - t0
+                writer.scalars(step, m)
+                writer.text(step, f"{name}/samples", "\n\n".join(texts))
+                ks = "  ".join(f"pass@{k}={m[f'{name}/pass@{k}']:.3f}" for k in cfg.eval.ks)
+                say(f"{name} @ step {step}: {ks}  best_of_{cfg.eval.num_samples}="
+                    f"{m[f'{name}/best_of_{cfg.eval.num_samples}']:.3f}  len={m[f'{name}/length']:.1f}  "
+                    f"({m[f'{name}/seconds']:.0f} s)")
+                out.update(m)
+            return out
 
         first_eval = last_eval = None
         prev = ckpt.metrics(ckpt.latest_step()) if start and ckpt.latest_step() is not None else None

@@ -78,12 +78,12 @@ REQUIRED_TAGS = [
     "train/is_ess_frac", "train/is_frac_truncated", "train/grad_norm", "rollout/reward", "rollout/reward_tests",
     "rollout/pass@1", "rollout/length", "eval/pass@1", "eval/pass@4", "eval/best_of_4", "eval/length",
     "eval/reward_tests", "time/sample_s", "time/execute_s", "time/train_s", "throughput/generated_tokens_per_s",
-    "throughput/sandbox_execs_per_s", "async/staleness", "sft/nll",
+    "throughput/sandbox_execs_per_s", "async/staleness", "sft/nll", "eval_fresh/pass@1", "eval_fresh/best_of_4",
 ]
 
 
 def test_job_runs_logs_checkpoints_and_resumes(tmp_path, pool):
-    cfg = tiny_job.tiny_config(tmp_path / "run", steps=3, sft__steps=2)
+    cfg = tiny_job.tiny_config(tmp_path / "run", steps=3, sft__steps=2, task__num_fresh=4)
     result = loop.run(cfg, pool=pool)
     assert result.completed and result.steps_done == 3 and not result.interrupted
     assert not result.sft["cached"]
@@ -228,3 +228,15 @@ def test_job_on_eight_fake_devices(tmp_path):
     assert "devices: 8 x cpu" in err
     rows = [r for r in read_jsonl(tmp_path / "tb") if "train/loss" in r]
     assert len(rows) == 2 and all(np.isfinite(r["train/loss"]) for r in rows)
+
+
+def test_task_pools_are_disjoint(tmp_path):
+    from rlcode.tokenizer import ByteTokenizer
+
+    cfg = tiny_job.tiny_config(tmp_path, task__levels=(1, 2), task__num_train=200, task__num_eval=20,
+                               task__num_fresh=20, task__max_prompt_len=256, sampling__max_new_tokens=80)
+    train, evals, fresh = loop.build_tasks(cfg, ByteTokenizer())
+    train_ids = {t.task_id for t in train.tasks}
+    assert not train_ids & {t.task_id for t in fresh.tasks}
+    assert not {t.behaviour for t in train.tasks} & {t.behaviour for t in evals.tasks}
+    assert {t.split for t in evals.tasks} == {"eval"} and {t.split for t in fresh.tasks} == {"train"}

@@ -32,7 +32,7 @@ def tiny_config(workdir, steps=3, arg=None, **overrides):
     cfg = load_config(arg)
     cfg.workdir = str(workdir)
     cfg.model.update(d_model=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, ffw_dim=64)
-    cfg.task.update(levels=(1,), num_train=24, num_eval=4, max_prompt_len=160)
+    cfg.task.update(levels=(1,), num_train=24, num_eval=4, num_fresh=0, max_prompt_len=160)
     cfg.sampling.max_new_tokens = 48
     cfg.rollout.update(prompts_per_step=2, group_size=4)
     cfg.sandbox.workers = 2
