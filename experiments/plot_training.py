@@ -65,6 +65,17 @@ def short_labels(names: Sequence[str]) -> list[str]:
     return labels if all(label != "." for label in labels) else list(names)
 
 
+def trailing_mean(values: Sequence[float], window: int) -> list[float]:
+    """values[i] replaced by the mean of values[max(0, i - window + 1) : i + 1]."""
+    if window == 1:
+        return list(values)
+    a = np.asarray(values, dtype=np.float64)
+    c = np.concatenate([[0.0], np.cumsum(a)])
+    i = np.arange(len(a))
+    lo = np.maximum(0, i - window + 1)
+    return ((c[i + 1] - c[lo]) / (i + 1 - lo)).tolist()
+
+
 def _json_values(values: Sequence[float]) -> list[float | None]:
     return [v if math.isfinite(v) else None for v in values]
 
@@ -75,11 +86,18 @@ def plot_runs(
     out: str,
     title: str | None = None,
     caption: str | None = None,
+    smooth: int = 1,
+    mean: bool = True,
 ) -> str:
     """Plot `tags` of `run_dirs` into the PNG `out` and its series into `out` with `.json`.
 
+    smooth: each run's series is replaced by its trailing mean over `smooth` logged points (1 =
+    raw; for noisy per-step scalars such as rollout rewards). mean: draw the mean over runs
+    (off to compare different configurations instead of seeds).
     Returns the path of the PNG. Raises ValueError for a tag that no run logged.
     """
+    if smooth < 1:
+        raise ValueError(f"smooth must be >= 1, got {smooth}")
     # The Agg canvas renders without pyplot, so no global backend is chosen or changed.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -90,7 +108,8 @@ def plot_runs(
     if len(set(names)) < len(names):
         raise ValueError(f"plot_runs: a run is listed twice in {names}")
     labels = dict(zip(names, short_labels(names)))
-    series = {name: run_series(d, tags) for name, d in zip(names, run_dirs)}
+    series = {name: {tag: (steps, trailing_mean(values, smooth)) for tag, (steps, values) in run_series(d, tags).items()}
+              for name, d in zip(names, run_dirs)}
     missing = [tag for tag in tags if not any(tag in s for s in series.values())]
     if missing:
         logged = sorted({k for s in series.values() for k in s})
@@ -101,20 +120,20 @@ def plot_runs(
     fig = Figure(figsize=(4.8 * columns, 3.4 * rows + (0.5 if caption else 0)), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(rows, columns, squeeze=False).ravel()
-    record = {"runs": names, "title": title, "caption": caption, "tags": {}}
+    record = {"runs": names, "title": title, "caption": caption, "smooth": smooth, "tags": {}}
     for ax, tag in zip(axes, tags):
         runs = {name: s[tag] for name, s in series.items() if tag in s}
         for name, (steps, values) in runs.items():  # a run keeps its colour in every panel
             ax.plot(steps, values, color=f"C{names.index(name) % 10}", lw=0.9, alpha=0.6, label=labels[name])
-        steps, mean = mean_series(list(runs.values())) if len(runs) == len(names) else ([], [])
+        steps, avg = mean_series(list(runs.values())) if mean and len(runs) == len(names) else ([], [])
         if steps:
-            ax.plot(steps, mean, color="black", lw=2.2, label=f"mean of {len(names)}")
+            ax.plot(steps, avg, color="black", lw=2.2, label=f"mean of {len(names)}")
         ax.set_title(tag)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         record["tags"][tag] = {
             "runs": {name: {"steps": s, "values": _json_values(v)} for name, (s, v) in runs.items()},
-            "mean": {"steps": steps, "values": _json_values(mean)},
+            "mean": {"steps": steps, "values": _json_values(avg)},
         }
     for ax in axes[len(tags):]:
         ax.set_visible(False)
@@ -138,9 +157,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--out", required=True, help="the PNG to write (its series go to .json)")
     parser.add_argument("--title", default=None)
     parser.add_argument("--caption", default=None, help="e.g. the command that produced the runs")
+    parser.add_argument("--smooth", type=int, default=1, help="trailing mean over this many logged points")
+    parser.add_argument("--no-mean", action="store_true", help="do not draw the mean over runs")
     args = parser.parse_args(argv)
     split = lambda s: [x.strip() for x in s.split(",") if x.strip()]
-    print(plot_runs(split(args.runs), split(args.tags), args.out, title=args.title, caption=args.caption))
+    print(plot_runs(split(args.runs), split(args.tags), args.out, title=args.title, caption=args.caption,
+                    smooth=args.smooth, mean=not args.no_mean))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ mean is the hand-computed mean over runs at the steps both runs logged."""
 
 import json
 
+import numpy as np
 import pytest
 
 from experiments import plot_training
@@ -54,3 +55,12 @@ def test_main_and_unknown_tag(tmp_path, capsys):
     with pytest.raises(ValueError, match="twice"):
         plot_training.plot_runs([runs[0], runs[0]], ["loss"], str(out))
     assert plot_training.short_labels(list(runs)) == ["seed0", "seed1"]  # the legend's labels
+
+
+def test_trailing_mean_matches_a_loop():
+    from experiments.plot_training import trailing_mean
+
+    values = [1.0, 5.0, 2.0, 8.0, 3.0]
+    for w in (1, 2, 3, 10):
+        expect = [sum(values[max(0, i - w + 1): i + 1]) / len(values[max(0, i - w + 1): i + 1]) for i in range(5)]
+        assert np.allclose(trailing_mean(values, w), expect)
