@@ -23,7 +23,13 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     from rlcode.train import loop  # noqa: PLC0415 (after flag parsing: a bad flag fails fast)
 
-    result = loop.run(_CONFIG.value)
+    try:
+        result = loop.run(_CONFIG.value)
+    except KeyboardInterrupt:
+        # Before the RL loop (SFT, compilation) or a second Ctrl-C: nothing half-written is kept.
+        print(f"aborted; checkpoints saved so far are in {_CONFIG.value.workdir}/checkpoints "
+              "(continue with --config.resume=True)", file=sys.stderr)
+        return 130
     first, last = result.first_eval or {}, result.last_eval or {}
     n = _CONFIG.value.eval.num_samples
     keys = ["eval/pass@1", f"eval/best_of_{n}"]

@@ -1,0 +1,89 @@
+"""Summarise finished runs of the main job (seeds) into a markdown table and JSON, from their logs.
+
+    python -m experiments.summarize_runs --runs runs/grpo_synth/seed0,runs/grpo_synth/seed1,runs/grpo_synth/seed2 \\
+        --out results/grpo_synth.json
+
+For each evaluated metric (default: eval/pass@1, eval/best_of_16, eval_fresh/pass@1,
+eval_fresh/best_of_16) it reports the value at the first evaluation (the SFT starting point), at
+the last one, their difference, and the smallest value between them (the non-collapse check: did
+best-of-16 ever fall below its start?), each as mean ± sample std over the runs, plus the runs'
+wall time. Reads only `summary.json` and `tb/metrics.jsonl`; never trains.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+from rlcode.train.metrics import read_jsonl
+
+DEFAULT_KEYS = ("eval/pass@1", "eval/best_of_16", "eval_fresh/pass@1", "eval_fresh/best_of_16")
+
+
+def _mean_std(values: Sequence[float]) -> tuple[float, float]:
+    a = np.asarray(values, np.float64)
+    return float(a.mean()), float(a.std(ddof=1)) if a.size > 1 else 0.0
+
+
+def summarize(run_dirs: Sequence[str], keys: Sequence[str] = DEFAULT_KEYS) -> dict:
+    """{"runs": [...], "metrics": {key: {"start", "end", "delta", "min_after_start": [mean, std],
+    "per_run": {...}}}, "minutes": [mean, std]}. A key some run never logged is skipped."""
+    per_key: dict[str, dict[str, list[float]]] = {}
+    minutes = []
+    for d in run_dirs:
+        summary = json.load(open(os.path.join(d, "summary.json")))
+        if not summary.get("completed"):
+            raise ValueError(f"{d} did not complete (steps_done={summary.get('steps_done')})")
+        minutes.append(summary["seconds"] / 60)
+        records = [r for r in read_jsonl(os.path.join(d, "tb")) if r["step"] >= 0]
+        for key in keys:
+            series = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+            if not series:
+                continue
+            values = [v for _, v in sorted(series)]
+            entry = per_key.setdefault(key, {"start": [], "end": [], "delta": [], "min_after_start": []})
+            entry["start"].append(values[0])
+            entry["end"].append(values[-1])
+            entry["delta"].append(values[-1] - values[0])
+            entry["min_after_start"].append(min(values[1:]) if len(values) > 1 else values[0])
+    metrics = {}
+    for key, entry in per_key.items():
+        if len(entry["start"]) != len(run_dirs):
+            continue
+        metrics[key] = {name: _mean_std(vals) for name, vals in entry.items()}
+        metrics[key]["per_run"] = {name: vals for name, vals in entry.items()}
+    return {"runs": list(run_dirs), "metrics": metrics, "minutes": _mean_std(minutes)}
+
+
+def markdown(result: dict) -> str:
+    fmt = lambda ms: f"{ms[0]:.3f} ± {ms[1]:.3f}"
+    lines = ["| metric | start (SFT) | end | change | lowest after start |", "|---|---|---|---|---|"]
+    for key, m in result["metrics"].items():
+        lines.append(f"| {key} | {fmt(m['start'])} | {fmt(m['end'])} | {m['delta'][0]:+.3f} ± {m['delta'][1]:.3f} "
+                     f"| {fmt(m['min_after_start'])} |")
+    mean, std = result["minutes"]
+    lines.append(f"\n{len(result['runs'])} runs; wall time {mean:.1f} ± {std:.1f} min each (mean ± std over runs).")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", required=True, help="comma-separated run directories")
+    parser.add_argument("--keys", default=",".join(DEFAULT_KEYS), help="comma-separated eval metrics")
+    parser.add_argument("--out", default=None, help="write the summary as JSON here")
+    args = parser.parse_args(argv)
+    split = lambda s: [x.strip() for x in s.split(",") if x.strip()]
+    result = summarize(split(args.runs), split(args.keys))
+    print(markdown(result))
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
