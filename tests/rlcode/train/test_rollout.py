@@ -237,3 +237,30 @@ def test_merge_params_loads_into_a_model_with_a_value_head():
     assert (np.asarray(merged["a"]) == 2).all() and (np.asarray(merged["value_head"]["w"]) == 1).all()
     with pytest.raises(ValueError, match="cannot load"):
         sft.merge_params(target, {"a": np.zeros((3, 2))})
+
+
+def test_prepare_kl_as_reward_penalty(tmp_path, tasks):
+    """kl_penalty='reward': advantages come from R - beta * sum_t (logp - ref_logp) over the
+    generated tokens (k1), with the reference's log-probs from `ref_params`."""
+    cfg = tiny_job.tiny_config(tmp_path)
+    cfg.loss.update(kl_coef=0.5, kl_penalty="reward")
+    from flax import nnx
+
+    from rlcode.models.transformer import init_model
+
+    graphdef, state = nnx.split(init_model(cfg.model, 0))
+    params = nnx.to_pure_dict(state)
+    ref_params = nnx.to_pure_dict(nnx.split(init_model(cfg.model, 1))[1])
+    G = 4
+    c = _collector(tasks, [["PASS", "x", "x", "PASS", "x", "x", "PASS", "x"]], G=G)
+    r = c.sample_and_grade(None, np.array([0, 1]), jax.random.key(0), version=0)
+    batch = loop.make_prepare_fn(cfg, graphdef, G, TOK.pad_id)(params, ref_params, r)
+    mask = np.asarray(batch["mask"])
+    kl = ((np.asarray(batch["old_logp"], np.float64) - np.asarray(batch["ref_logp"], np.float64)) * mask).sum(-1)
+    shaped = r.rewards - 0.5 * kl
+    adv = np.asarray(batch["advantages"])
+    for g in range(2):
+        rew = shaped[g * G:(g + 1) * G]
+        expect = (rew - rew.mean()) / (rew.std(ddof=1) + cfg.advantage.eps)
+        got = [adv[b][mask[b]][0] for b in range(g * G, (g + 1) * G)]
+        np.testing.assert_allclose(got, expect, rtol=1e-4, atol=1e-4)
