@@ -86,17 +86,19 @@ def plot_runs(
     out: str,
     title: str | None = None,
     caption: str | None = None,
-    smooth: int = 1,
+    smooth: int | dict[str, int] = 1,
     mean: bool = True,
 ) -> str:
     """Plot `tags` of `run_dirs` into the PNG `out` and its series into `out` with `.json`.
 
     smooth: each run's series is replaced by its trailing mean over `smooth` logged points (1 =
-    raw; for noisy per-step scalars such as rollout rewards). mean: draw the mean over runs
+    raw; for noisy per-step scalars such as rollout rewards); a dict gives it per tag (missing
+    tags: 1). mean: draw the mean over runs
     (off to compare different configurations instead of seeds).
     Returns the path of the PNG. Raises ValueError for a tag that no run logged.
     """
-    if smooth < 1:
+    windows = dict(smooth) if isinstance(smooth, dict) else {tag: smooth for tag in tags}
+    if any(w < 1 for w in windows.values()):
         raise ValueError(f"smooth must be >= 1, got {smooth}")
     # The Agg canvas renders without pyplot, so no global backend is chosen or changed.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -108,7 +110,8 @@ def plot_runs(
     if len(set(names)) < len(names):
         raise ValueError(f"plot_runs: a run is listed twice in {names}")
     labels = dict(zip(names, short_labels(names)))
-    series = {name: {tag: (steps, trailing_mean(values, smooth)) for tag, (steps, values) in run_series(d, tags).items()}
+    series = {name: {tag: (steps, trailing_mean(values, windows.get(tag, 1)))
+                     for tag, (steps, values) in run_series(d, tags).items()}
               for name, d in zip(names, run_dirs)}
     missing = [tag for tag in tags if not any(tag in s for s in series.values())]
     if missing:
@@ -120,7 +123,7 @@ def plot_runs(
     fig = Figure(figsize=(4.8 * columns, 3.4 * rows + (0.5 if caption else 0)), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(rows, columns, squeeze=False).ravel()
-    record = {"runs": names, "title": title, "caption": caption, "smooth": smooth, "tags": {}}
+    record = {"runs": names, "title": title, "caption": caption, "smooth": windows, "tags": {}}
     for ax, tag in zip(axes, tags):
         runs = {name: s[tag] for name, s in series.items() if tag in s}
         for name, (steps, values) in runs.items():  # a run keeps its colour in every panel
@@ -128,7 +131,7 @@ def plot_runs(
         steps, avg = mean_series(list(runs.values())) if mean and len(runs) == len(names) else ([], [])
         if steps:
             ax.plot(steps, avg, color="black", lw=2.2, label=f"mean of {len(names)}")
-        ax.set_title(tag)
+        ax.set_title(tag if windows.get(tag, 1) == 1 else f"{tag} (mean of last {windows[tag]})")
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         record["tags"][tag] = {
@@ -153,7 +156,8 @@ def plot_runs(
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", required=True, help="comma-separated run directories")
-    parser.add_argument("--tags", required=True, help="comma-separated scalar tags, one panel each")
+    parser.add_argument("--tags", required=True,
+                        help="comma-separated scalar tags, one panel each; tag:N smooths that tag over N points")
     parser.add_argument("--out", required=True, help="the PNG to write (its series go to .json)")
     parser.add_argument("--title", default=None)
     parser.add_argument("--caption", default=None, help="e.g. the command that produced the runs")
@@ -161,8 +165,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--no-mean", action="store_true", help="do not draw the mean over runs")
     args = parser.parse_args(argv)
     split = lambda s: [x.strip() for x in s.split(",") if x.strip()]
-    print(plot_runs(split(args.runs), split(args.tags), args.out, title=args.title, caption=args.caption,
-                    smooth=args.smooth, mean=not args.no_mean))
+    tags, windows = [], {}
+    for item in split(args.tags):
+        tag, _, window = item.rpartition(":") if item.rpartition(":")[2].isdigit() else (item, "", "")
+        tags.append(tag)
+        windows[tag] = int(window) if window else args.smooth
+    print(plot_runs(split(args.runs), tags, args.out, title=args.title, caption=args.caption,
+                    smooth=windows, mean=not args.no_mean))
 
 
 if __name__ == "__main__":

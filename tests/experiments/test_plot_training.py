@@ -64,3 +64,15 @@ def test_trailing_mean_matches_a_loop():
     for w in (1, 2, 3, 10):
         expect = [sum(values[max(0, i - w + 1): i + 1]) / len(values[max(0, i - w + 1): i + 1]) for i in range(5)]
         assert np.allclose(trailing_mean(values, w), expect)
+
+
+def test_per_tag_smoothing_from_the_command_line(tmp_path):
+    run = tmp_path / "seed0"
+    with EventWriter(run / "tb") as w:
+        for step in range(1, 5):
+            w.scalars(step, {"rollout/pass@1": float(step), "eval/pass@1": float(step)})
+    out = tmp_path / "fig.png"
+    plot_training.main(["--runs", str(run), "--tags", "rollout/pass@1:2,eval/pass@1", "--out", str(out)])
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert data["tags"]["rollout/pass@1"]["mean"]["values"] == [1.0, 1.5, 2.5, 3.5]
+    assert data["tags"]["eval/pass@1"]["mean"]["values"] == [1.0, 2.0, 3.0, 4.0]
