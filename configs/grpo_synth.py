@@ -56,8 +56,9 @@ def get_config(arg=None):
     cfg.task = ml_collections.ConfigDict(
         {"levels": (1, 2), "num_train": 4000, "num_eval": 64, "num_fresh": 64, "max_prompt_len": 192, "seed": 0})
     cfg.sampling = ml_collections.ConfigDict({"max_new_tokens": 80, "temperature": 1.0, "top_k": 0, "top_p": 1.0})
+    # async_mode: `--config.rollout.async=True` on experiments/train.py's command line.
     cfg.rollout = ml_collections.ConfigDict(
-        {"prompts_per_step": 8, "group_size": 8, "async": False, "max_staleness": 1, "max_draws": 4})
+        {"prompts_per_step": 8, "group_size": 8, "async_mode": False, "max_staleness": 1, "max_draws": 4})
     cfg.sandbox = ml_collections.ConfigDict({"workers": 2})
     # Partial credit (fraction of held-out tests passed): a dense signal for a weak policy; pass@1
     # (all tests) is reported separately.

@@ -8,8 +8,9 @@ P prompts x G samples:
   (and values) under the current parameters -> advantages -> `epochs x minibatches` optimizer
   steps of the configured objective.
 
-Sync mode samples with the current parameters (v = step). Async mode
-(``rollout.async = True``) runs sampling and grading in a background thread with the latest
+Sync mode samples with the current parameters (v = step). Async mode (``rollout.async_mode =
+True``; ``--config.rollout.async=True`` on the command line of experiments/train.py) runs
+sampling and grading in a background thread with the latest
 published parameters while the trainer updates; each batch carries its version v, a batch with
 ``step - v > rollout.max_staleness`` is dropped, and the loss sees the sampler's log-probs as
 ``behavior_logp`` so `loss.is_mode` (TIS/MIS) corrects the gap between the sampling policy and
@@ -95,8 +96,8 @@ def validate_config(cfg: Any, num_devices: int | None = None) -> None:
         raise ValueError(f"a minibatch of {rows} rows is not divisible by train.microbatches={cfg.train.microbatches}")
     if cfg.rollout.max_staleness < 0:
         raise ValueError(f"rollout.max_staleness must be >= 0, got {cfg.rollout.max_staleness}")
-    if cfg.rollout["async"] and cfg.rollout.max_staleness < 1:
-        raise ValueError("rollout.async=True needs rollout.max_staleness >= 1")
+    if cfg.rollout.async_mode and cfg.rollout.max_staleness < 1:
+        raise ValueError("rollout.async_mode=True needs rollout.max_staleness >= 1")
     if cfg.eval.every < 0:
         raise ValueError(f"eval.every must be >= 0, got {cfg.eval.every}")
     bad_k = [k for k in cfg.eval.ks if not 1 <= k <= cfg.eval.num_samples]
@@ -534,7 +535,7 @@ def run(cfg: Any, *, pool: Any = None, log: Callable[[str], None] | None = None,
         if start == 0 and cfg.eval.every >= 0 and cfg.eval.at_start:
             first_eval = last_eval = run_eval(0)
 
-        async_mode = bool(cfg.rollout["async"])
+        async_mode = bool(cfg.rollout.async_mode)
         if async_mode:
             store = ParamStore(state.params, start)
             sampler = AsyncSampler(collect, store, cfg.rollout.max_staleness)

@@ -20,13 +20,25 @@ TINY = [
 
 def test_main_job_command_runs(tmp_path):
     cmd = [sys.executable, "-m", "experiments.train", "--config=configs/grpo_synth.py:loss=dapo",
-           f"--config.workdir={tmp_path / 'run'}", f"--config.sft.cache_dir={tmp_path / 'sft'}", *TINY]
+           f"--config.workdir={tmp_path / 'run'}", f"--config.sft.cache_dir={tmp_path / 'sft'}", *TINY,
+           "--config.rollout.async=True"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout[out.stdout.index("{"):])
     assert result["completed"] and result["steps"] == 2
     start, end = result["start -> end"]["eval/pass@1"]
     assert 0 <= start <= 1 and 0 <= end <= 1
-    assert "eval @ step 2" in out.stderr and "dapo 2/2" in out.stderr  # final eval, progress bar
+    assert "eval @ step 2" in out.stderr  # the final eval
     assert (tmp_path / "run" / "checkpoints" / "2").is_dir()
     assert (tmp_path / "run" / "summary.json").is_file()
+    assert json.load(open(tmp_path / "run" / "config.json"))["rollout"]["async_mode"] is True
+    assert "dapo async 2/2" in out.stderr
+
+
+def test_async_flag_alias():
+    from experiments.train import translate_aliases
+
+    assert translate_aliases(["x", "--config.rollout.async=True", "--config.seed=1"]) == [
+        "x", "--config.rollout.async_mode=True", "--config.seed=1"]
+    assert translate_aliases(["--config.rollout.async"]) == ["--config.rollout.async_mode"]
+    assert translate_aliases(["--config.rollout.asyncx=1"]) == ["--config.rollout.asyncx=1"]

@@ -47,7 +47,7 @@ def pool():
         ({"eval__ks": (1, 8)}, None, "eval.ks"),
         ({"train__minibatches": 3}, None, "train.minibatches"),
         ({"task__levels": (1, 9)}, None, "task.levels"),
-        ({"rollout__async": True, "rollout__max_staleness": 0}, None, "max_staleness"),
+        ({"rollout__async_mode": True, "rollout__max_staleness": 0}, None, "max_staleness"),
     ],
 )
 def test_bad_config_fails_at_start_naming_the_field(tmp_path, overrides, devices, message):
@@ -149,7 +149,7 @@ def test_ppo_with_value_head_and_gae(tmp_path, pool):
 
 
 def test_async_mode_bounds_staleness(tmp_path, pool):
-    cfg = tiny_job.tiny_config(tmp_path, steps=4, rollout__async=True, rollout__max_staleness=1,
+    cfg = tiny_job.tiny_config(tmp_path, steps=4, rollout__async_mode=True, rollout__max_staleness=1,
                                eval__every=0, eval__at_start=False)
     result = loop.run(cfg, pool=pool)
     assert result.completed and result.steps_done == 4

@@ -2,7 +2,7 @@
 
     python tiny_job.py WORKDIR STEPS [name=value ...]
 
-runs `rlcode.train.loop.run` on it (values are Python literals, e.g. `rollout.async=True
+runs `rlcode.train.loop.run` on it (values are Python literals, e.g. `rollout.async_mode=True
 mesh.data=8`) and prints the result as one JSON line. Tests run it in subprocesses to send
 signals to a real job, or to give it 8 fake CPU devices (set XLA_FLAGS before starting it).
 """
