@@ -298,14 +298,21 @@ class ParamStore:
 
 
 class AsyncSampler:
-    """A background thread that keeps a bounded queue of rollout batches, each sampled with the
-    latest published parameters. The queue holds `max_staleness` batches, so a batch waits at
-    most that many trainer steps plus the one being collected."""
+    """A background thread that samples rollout batches with the latest published parameters
+    while the trainer updates.
+
+    At most `max_staleness` batches are in flight (being sampled or waiting): the thread starts a
+    batch only when the trainer has taken one, so a batch sampled with version v is consumed by
+    step v + max_staleness at the latest and none has to be dropped for staleness (the trainer
+    still checks). With max_staleness = 1 this is one-step off-policy sampling: batch t + 1 is
+    sampled with the parameters of step t while step t trains.
+    """
 
     def __init__(self, collect: Callable[[Any, int, int], Rollout], store: ParamStore, max_staleness: int):
         self._collect = collect
         self._store = store
-        self._queue: queue.Queue = queue.Queue(maxsize=max(1, max_staleness))
+        self._slots = threading.Semaphore(max(1, max_staleness))
+        self._queue: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._count = 0
@@ -315,15 +322,12 @@ class AsyncSampler:
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
+                if not self._slots.acquire(timeout=0.1):
+                    continue
                 params, version = self._store.get()
                 r = self._collect(params, version, self._count)
                 self._count += 1
-                while not self._stop.is_set():
-                    try:
-                        self._queue.put(r, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
+                self._queue.put(r)
         except BaseException as e:  # surfaced to the trainer by get()
             self._error = e
 
@@ -332,10 +336,13 @@ class AsyncSampler:
             if self._error is not None:
                 raise RuntimeError(f"the rollout sampler thread failed: {self._error!r}") from self._error
             try:
-                return self._queue.get(timeout=0.1)
+                r = self._queue.get(timeout=0.1)
             except queue.Empty:
                 if not self._thread.is_alive() and self._error is None:
                     raise RuntimeError("the rollout sampler thread stopped")
+                continue
+            self._slots.release()
+            return r
 
     def close(self) -> None:
         self._stop.set()

@@ -157,6 +157,7 @@ def test_async_mode_bounds_staleness(tmp_path, pool):
     assert len(rows) == 4
     assert all(0 <= r["async/staleness"] <= 1 for r in rows)
     assert rows[0]["async/staleness"] == 0  # the first batch was sampled with the initial parameters
+    assert rows[-1]["async/dropped_stale"] == 0  # the sampler never runs ahead of the bound
     assert all("train/is_weight_mean" in r for r in rows)
 
 
