@@ -36,7 +36,7 @@ def test_main_job_command_runs(tmp_path):
 
 
 def test_async_flag_alias():
-    from experiments.train import translate_aliases
+    from experiments.cli import translate_aliases
 
     assert translate_aliases(["x", "--config.rollout.async=True", "--config.seed=1"]) == [
         "x", "--config.rollout.async_mode=True", "--config.seed=1"]
