@@ -113,11 +113,11 @@ def validate_config(cfg: Any, num_devices: int | None = None) -> None:
             raise ValueError(f"mesh={mesh_sizes} does not fit {num_devices} devices")
         sizes = {a: (num_devices // known if s == -1 else s) for a, s in mesh_sizes.items()}
         shards = sizes["data"] * sizes["fsdp"]
-        for field, n in (("rollout.prompts_per_step * rollout.group_size / train.minibatches"
-                          " / train.microbatches", rows // cfg.train.microbatches),):
-            if n % shards:
-                raise ValueError(f"batch: {field} = {n} rows is not divisible by the mesh's data x fsdp = "
-                                 f"{shards} devices (mesh.data={sizes['data']}, mesh.fsdp={sizes['fsdp']})")
+        n = rows // cfg.train.microbatches
+        if n % shards:
+            raise ValueError(f"batch: rollout.prompts_per_step * rollout.group_size / train.minibatches / "
+                             f"train.microbatches = {n} rows is not divisible by the mesh's data x fsdp = "
+                             f"{shards} devices (mesh.data={sizes['data']}, mesh.fsdp={sizes['fsdp']})")
 
 
 # ------------------------------------------------------------------------------ tasks
@@ -507,10 +507,10 @@ def run(cfg: Any, *, pool: Any = None, log: Callable[[str], None] | None = None,
                                   pad_id=tokenizer.pad_id)
         grader = Grader(pool, timeout=cfg.reward.timeout)
         collector = RolloutCollector(graphdef, train_tasks, tokenizer, grader, sampling, cfg.reward, cfg.shaping, G)
-        eval_collectors = {"eval": eval_tasks, "eval_fresh": fresh_tasks}
-        eval_collectors = {name: RolloutCollector(graphdef, pool_, tokenizer, grader, sampling, cfg.reward, cfg.shaping,
+        eval_pools = {"eval": eval_tasks, "eval_fresh": fresh_tasks}
+        eval_collectors = {name: RolloutCollector(graphdef, tasks, tokenizer, grader, sampling, cfg.reward, cfg.shaping,
                                                   cfg.eval.num_samples)
-                           for name, pool_ in eval_collectors.items() if pool_ is not None}
+                           for name, tasks in eval_pools.items() if tasks is not None}
         base_key = jax.random.key(cfg.seed)
         sample_key, eval_key = jax.random.fold_in(base_key, 1), jax.random.fold_in(base_key, 2)
 
@@ -552,7 +552,6 @@ def run(cfg: Any, *, pool: Any = None, log: Callable[[str], None] | None = None,
         last_saved = start if start else None
         step = start
         dropped_stale = 0
-        window: dict[str, float] = {"pass": float("nan"), "reward": float("nan")}
         with stop:
             while step < total:
                 if stop.signal is not None:
@@ -611,9 +610,7 @@ def run(cfg: Any, *, pool: Any = None, log: Callable[[str], None] | None = None,
                 if cfg.log.text_every and step % cfg.log.text_every == 0:
                     writer.text(step, "rollout/samples", "\n\n".join(
                         f"reward={r.rewards[i]:.2f}\n\n```\n{r.texts[i]}\n```" for i in range(min(cfg.log.num_texts, len(r.texts)))))
-                window["pass"] = scal["rollout/pass@1"]
-                window["reward"] = scal["rollout/reward"]
-                fields = {"reward": window["reward"], "pass@1": window["pass"]}
+                fields = {"reward": scal["rollout/reward"], "pass@1": scal["rollout/pass@1"]}
                 if last_eval is not None:
                     fields["eval_pass@1"] = last_eval["eval/pass@1"]
                 progress.update(step, **fields)
