@@ -561,9 +561,12 @@ class RaySandboxPool:
                 ray.wait(refs, num_returns=len(refs), timeout=60)
             except Exception:  # noqa: BLE001
                 pass
-        for a in actors:
-            if a.handle is not None:
-                _kill(a.handle)
+        killed = [a.handle for a in actors if a.handle is not None]
+        for handle in killed:
+            _kill(handle)
+        # ray.kill only requests the kill; wait until the actors are gone so that a closed pool
+        # holds no actor (and no execution) once close() returns.
+        _wait_dead(killed, timeout=20.0)
         with self._cv:
             left = [j for a in actors for j in a.in_flight.values()]
             for a in actors:
@@ -594,3 +597,18 @@ def _kill(handle) -> None:
         ray.kill(handle, no_restart=True)
     except Exception:  # noqa: BLE001
         pass
+
+
+def _wait_dead(handles, timeout: float) -> None:
+    """Return once every actor in `handles` answers a call with RayActorError (it is dead), or
+    after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    for handle in handles:
+        while time.monotonic() < deadline:
+            try:
+                ray.get(handle.ready.remote(), timeout=max(0.1, min(1.0, deadline - time.monotonic())))
+            except ray.exceptions.RayActorError:
+                break
+            except Exception:  # noqa: BLE001  (a timeout: not answered yet, ask again)
+                continue
+            time.sleep(0.05)
