@@ -1,0 +1,236 @@
+"""One way to launch a `@triton.jit` kernel from JAX, on a GPU or in the Triton interpreter.
+
+`triton_call(*args, kernel=..., out_shape=..., grid=..., **constexprs)` follows the calling
+convention of `jax_triton.triton_call`: the kernel's parameters are the array and scalar `args`
+in order, then one pointer per output (outputs are zero-filled before the launch), then the
+`constexprs` by keyword. `grid` is a tuple or a function of the constexprs.
+
+* On a CUDA device the call goes to `jax_triton.triton_call` (imported lazily: it needs a GPU
+  build of jax), compiled into the XLA program.
+* Elsewhere the same kernel source runs in the Triton interpreter, one program instance at a time,
+  inside `jax.pure_callback`. The interpreter expects torch-like tensors (`data_ptr`,
+  `untyped_storage`, `stride`, ...); `_HostTensor` gives it those over a numpy array, so torch is
+  not needed. This is how the kernels are tested on CPU; it is slow, so keep shapes small.
+
+The interpreter has to be chosen before `triton` is imported (its standard library is decorated
+at import), so importing this module sets `TRITON_INTERPRET=1` when no CUDA plugin for jax is
+installed and the variable is unset. Known interpreter limit: `tl.dot` on bfloat16 operands is
+wrong, so interpreted tests use float32/float16.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _cuda_plugin_installed() -> bool:
+    return any(importlib.util.find_spec(name) is not None for name in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
+
+
+if "TRITON_INTERPRET" not in os.environ and "triton" not in sys.modules and not _cuda_plugin_installed():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+try:
+    import triton  # noqa: E402
+    import triton.language as tl  # noqa: E402,F401  (re-exported for kernel modules)
+
+    HAVE_TRITON = True
+except ImportError:  # no Linux wheel for this platform
+    triton = None
+    tl = None
+    HAVE_TRITON = False
+
+
+def interpreting() -> bool:
+    """True when `@triton.jit` produces interpreted functions in this process."""
+    return HAVE_TRITON and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def on_gpu() -> bool:
+    """True when jax's default backend is a CUDA GPU."""
+    return jax.default_backend() == "gpu"
+
+
+def available() -> str | None:
+    """None when `triton_call` can run here, else the reason it cannot."""
+    if not HAVE_TRITON:
+        return "triton is not installed (it ships Linux wheels only)"
+    if interpreting():
+        return None
+    if on_gpu():
+        if importlib.util.find_spec("jax_triton") is None:
+            return "jax-triton is not installed (pip install -e '.[gpu]')"
+        return None
+    return (
+        "triton was imported in compiled mode without a GPU; import kernels before triton, or set "
+        "TRITON_INTERPRET=1, to run the kernels in the interpreter"
+    )
+
+
+def require() -> None:
+    """Raise a RuntimeError naming the reason when Triton kernels cannot run here."""
+    reason = available()
+    if reason is not None:
+        raise RuntimeError(f"Triton kernels are unavailable: {reason}")
+
+
+def use_triton(impl: str) -> bool:
+    """The dispatch rule of every op: `auto` = Triton on a CUDA device, XLA elsewhere."""
+    if impl not in ("auto", "xla", "triton"):
+        raise ValueError(f"impl must be 'auto', 'xla' or 'triton', got {impl!r}")
+    if impl == "auto":
+        return on_gpu() and available() is None
+    return impl == "triton"
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class _HostStorage:
+    """The `untyped_storage()` of a `_HostTensor`: already on the host, so copies are no-ops."""
+
+    def __init__(self, array: np.ndarray):
+        self._array = array
+
+    def data_ptr(self) -> int:
+        return self._array.ctypes.data
+
+    def cpu(self) -> "_HostStorage":
+        return self
+
+    def copy_(self, other: "_HostStorage") -> None:
+        if other.data_ptr() != self.data_ptr():
+            raise RuntimeError("host tensors are expected to be shared with the interpreter, not copied")
+
+
+class _DType:
+    """A dtype whose str() is the name Triton canonicalises (float32, bfloat16, float8_e4m3fn, ...)."""
+
+    def __init__(self, dtype: np.dtype):
+        self.name = np.dtype(dtype).name
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class _HostTensor:
+    """A contiguous numpy array in the shape of the torch tensor the interpreter expects."""
+
+    def __init__(self, array: np.ndarray):
+        if not array.flags.c_contiguous:
+            raise ValueError("interpreted kernels take C-contiguous arrays")
+        self.array = array
+        self.dtype = _DType(array.dtype)
+
+    def data_ptr(self) -> int:
+        return self.array.ctypes.data
+
+    def untyped_storage(self) -> _HostStorage:
+        return _HostStorage(self.array)
+
+    def new_empty(self, *args, **kwargs) -> "_HostTensor":
+        return self
+
+    def set_(self, storage, offset, size, stride) -> "_HostTensor":
+        return self
+
+    def storage_offset(self) -> int:
+        return 0
+
+    def size(self) -> tuple[int, ...]:
+        return self.array.shape
+
+    def stride(self) -> tuple[int, ...]:
+        return tuple(s // self.array.itemsize for s in self.array.strides)
+
+
+def _as_shape_dtypes(out_shape) -> tuple[list[jax.ShapeDtypeStruct], bool]:
+    single = not isinstance(out_shape, (list, tuple))
+    shapes = [out_shape] if single else list(out_shape)
+    return [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in shapes], single
+
+
+def _resolve_grid(grid, constexprs: dict[str, Any]) -> tuple[int, ...]:
+    g = grid(constexprs) if callable(grid) else grid
+    g = (g,) if isinstance(g, int) else tuple(int(x) for x in g)
+    if not 1 <= len(g) <= 3 or any(x < 0 for x in g):
+        raise ValueError(f"grid must be 1 to 3 non-negative sizes, got {g}")
+    return g
+
+
+@functools.lru_cache(maxsize=None)
+def _interpreted(kernel) -> Any:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if isinstance(kernel, InterpretedFunction):
+        return kernel
+    return InterpretedFunction(kernel.fn)
+
+
+# The interpreter patches `triton.language` globally while a launch runs, so launches (from jax's
+# callback threads) must not overlap.
+_INTERPRETER_LOCK = threading.Lock()
+
+
+def _run_interpreted(kernel, grid, constexprs, arg_kinds, scalars, outs, *host_arrays):
+    tensors, it_arrays, it_scalars = [], iter(host_arrays), iter(scalars)
+    for kind in arg_kinds:
+        if kind == "array":
+            tensors.append(_HostTensor(np.ascontiguousarray(np.array(next(it_arrays), copy=True))))
+        else:
+            tensors.append(next(it_scalars))
+    results = [np.zeros(s.shape, s.dtype) for s in outs]
+    tensors += [_HostTensor(r) for r in results]
+    with _INTERPRETER_LOCK:
+        _interpreted(kernel)[grid](*tensors, **constexprs)
+    return tuple(results)
+
+
+def triton_call(
+    *args: jax.Array | int | float | bool,
+    kernel: Any,
+    out_shape: jax.ShapeDtypeStruct | Sequence[jax.ShapeDtypeStruct],
+    grid: int | tuple[int, ...] | Callable[[dict[str, Any]], tuple[int, ...]],
+    num_warps: int = 4,
+    num_stages: int = 2,
+    **constexprs: Any,
+):
+    """Launch `kernel` over `grid`; returns the output array(s) (zero-filled before the launch).
+
+    Python scalars among `args` become scalar kernel parameters (static: they are part of the
+    compiled program); arrays become pointers.
+    """
+    require()
+    outs, single = _as_shape_dtypes(out_shape)
+    grid_t = _resolve_grid(grid, constexprs)
+    if not interpreting():
+        import jax_triton
+
+        result = jax_triton.triton_call(
+            *args,
+            kernel=kernel,
+            out_shape=outs,
+            grid=grid_t,
+            num_warps=num_warps,
+            num_stages=num_stages,
+            zeroed_outputs=tuple(range(len(outs))),
+            **constexprs,
+        )
+        return result[0] if single else tuple(result)
+    arrays = [a for a in args if not isinstance(a, (bool, int, float))]
+    kinds = tuple("scalar" if isinstance(a, (bool, int, float)) else "array" for a in args)
+    scalars = tuple(a for a in args if isinstance(a, (bool, int, float)))
+    callback = functools.partial(_run_interpreted, kernel, grid_t, dict(constexprs), kinds, scalars, tuple(outs))
+    result = jax.pure_callback(callback, tuple(outs), *[jnp.asarray(a) for a in arrays], vmap_method="sequential")
+    return result[0] if single else tuple(result)

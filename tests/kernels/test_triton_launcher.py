@@ -1,0 +1,91 @@
+"""The Triton launcher: the same @triton.jit source runs through the interpreter on CPU."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels import _triton
+
+pytestmark = pytest.mark.skipif(_triton.available() is not None, reason=f"Triton unavailable: {_triton.available()}")
+
+if _triton.HAVE_TRITON:
+    tl = _triton.tl
+
+    @_triton.triton.jit
+    def _axpy_kernel(x_ptr, y_ptr, n, alpha, out_ptr, sum_ptr, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        out = alpha * tl.load(x_ptr + offs, mask=m, other=0.0) + tl.load(y_ptr + offs, mask=m, other=0.0)
+        tl.store(out_ptr + offs, out, mask=m)
+        tl.atomic_add(sum_ptr, tl.sum(tl.where(m, out, 0.0), axis=0))
+
+    @_triton.triton.jit
+    def _matmul_kernel(a_ptr, b_ptr, M, N, K, c_ptr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        pm, pn = tl.program_id(0), tl.program_id(1)
+        rm = pm * BM + tl.arange(0, BM)
+        rn = pn * BN + tl.arange(0, BN)
+        acc = tl.zeros((BM, BN), tl.float32)
+        for k0 in range(0, K, BK):
+            rk = k0 + tl.arange(0, BK)
+            a = tl.load(a_ptr + rm[:, None] * K + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+            b = tl.load(b_ptr + rk[:, None] * N + rn[None, :], mask=(rk[:, None] < K) & (rn[None, :] < N), other=0.0)
+            acc += tl.dot(a, b)
+        tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def _axpy(x, y, alpha, block=32):
+    n = x.shape[0]
+    return _triton.triton_call(
+        x, y, n, alpha,
+        kernel=_axpy_kernel,
+        out_shape=(jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct((), jnp.float32)),
+        grid=lambda meta: (_triton.cdiv(n, meta["BLOCK"]),),
+        BLOCK=block,
+    )
+
+
+@pytest.mark.parametrize("n", [1, 31, 32, 100])
+def test_add_matches_numpy_with_scalars_and_two_outputs(n):
+    rng = np.random.default_rng(n)
+    x = rng.standard_normal(n).astype(np.float32)
+    y = rng.standard_normal(n).astype(np.float32)
+    out, total = jax.jit(lambda a, b: _axpy(a, b, 2.5))(x, y)
+    np.testing.assert_allclose(np.asarray(out), 2.5 * x + y, rtol=1e-6, atol=1e-6)
+    # The sum output is zero-filled before the launch and accumulated over programs.
+    np.testing.assert_allclose(float(total), float(np.sum(2.5 * x + y)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,tol", [(np.float32, 1e-5), (np.float16, 2e-2)])
+@pytest.mark.parametrize("M,N,K", [(16, 16, 16), (70, 40, 50), (5, 33, 17)])
+def test_matmul_matches_numpy(M, N, K, dtype, tol):
+    rng = np.random.default_rng(M * N * K)
+    a = rng.standard_normal((M, K)).astype(dtype)
+    b = rng.standard_normal((K, N)).astype(dtype)
+    c = _triton.triton_call(
+        jnp.asarray(a), jnp.asarray(b), M, N, K,
+        kernel=_matmul_kernel,
+        out_shape=jax.ShapeDtypeStruct((M, N), jnp.float32),
+        grid=(_triton.cdiv(M, 32), _triton.cdiv(N, 32)),
+        BM=32, BN=32, BK=16,
+    )
+    want = a.astype(np.float64) @ b.astype(np.float64)
+    np.testing.assert_allclose(np.asarray(c), want, rtol=tol, atol=tol * np.sqrt(K))
+
+
+def test_vmap_runs_one_launch_per_row():
+    x = jnp.arange(12, dtype=jnp.float32).reshape(3, 4)
+    out, total = jax.vmap(lambda a: _axpy(a, a, 1.0))(x)
+    np.testing.assert_allclose(np.asarray(out), 2 * np.asarray(x))
+    np.testing.assert_allclose(np.asarray(total), 2 * np.asarray(x).sum(1))
+
+
+def test_dispatch_rule_and_bad_arguments():
+    assert _triton.use_triton("xla") is False
+    assert _triton.use_triton("triton") is True
+    assert _triton.use_triton("auto") is (jax.default_backend() == "gpu")
+    with pytest.raises(ValueError, match="impl must be"):
+        _triton.use_triton("cuda")
+    with pytest.raises(ValueError, match="grid"):
+        _triton.triton_call(jnp.ones(4), kernel=_axpy_kernel, out_shape=jax.ShapeDtypeStruct((4,), jnp.float32), grid=(1, 1, 1, 1))
