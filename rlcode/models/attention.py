@@ -6,6 +6,8 @@ Every kind implements the same two calls:
 
 * `__call__(x_btd, positions_bt, mask) -> (y_btd, KVCache)` – a full causal forward over a
   sequence (training, prefill); it returns the layer's keys/values so a sampler can cache them.
+* `init_suffix_cache(batch, max_len)` – the empty per-row cache of generated tokens that `decode`
+  fills (a KVCache for dense attention; a kind may keep more, e.g. NSA's compressed keys).
 * `decode(x_bd, positions_b, prefix, prefix_lengths, suffix, step) -> (y_bd, suffix)` – one new
   token per row against a shared-prefix cache: `prefix` holds the keys/values of Pg prompts
   (prefilled once), row b of the B = Pg * G rows belongs to prompt b // G, and `suffix` holds
@@ -136,6 +138,10 @@ class DenseAttention(nnx.Module):
             o = jax.nn.dot_product_attention(q, k, v, is_causal=True, key_value_seq_lengths=lengths)
         o = constrain(o, ("batch", "seq", "heads", "head_dim"))
         return self.proj.out(o), KVCache(k, v)
+
+    def init_suffix_cache(self, batch: int, max_len: int) -> KVCache:
+        shape = (batch, max_len, self.cfg.num_kv_heads, self.cfg.head_dim)
+        return KVCache(jnp.zeros(shape, self.cfg.dtype), jnp.zeros(shape, self.cfg.dtype))
 
     def decode(
         self,

@@ -210,9 +210,9 @@ class Transformer(nnx.Module):
             new_suffix.append(suf)
         return self.final_norm(x), new_suffix
 
-    def init_suffix_cache(self, batch: int, max_len: int) -> list[KVCache]:
-        shape = (batch, max_len, self.cfg.num_kv_heads, self.cfg.head_dim)
-        return [KVCache(jnp.zeros(shape, self.cfg.dtype), jnp.zeros(shape, self.cfg.dtype)) for _ in range(self.num_layers)]
+    def init_suffix_cache(self, batch: int, max_len: int) -> list[Any]:
+        """Each layer's empty cache for `max_len` generated tokens (its structure is the kind's)."""
+        return [block.attn.init_suffix_cache(batch, max_len) for block in self.blocks()]
 
 
 def init_model(config: Any, seed: int = 0) -> Transformer:
