@@ -115,13 +115,22 @@ class _HostStorage:
 
 
 class _DType:
-    """A dtype whose str() is the name Triton canonicalises (float32, bfloat16, float8_e4m3fn, ...)."""
+    """A dtype whose str() is the name Triton canonicalises (float32, bfloat16, float8_e4m3fn, ...).
+
+    Equal and hashed by name: Triton caches argument types under hash(dtype) without keeping the
+    object alive, so an identity hash could be reused by a later object of another dtype."""
 
     def __init__(self, dtype: np.dtype):
         self.name = np.dtype(dtype).name
 
     def __str__(self) -> str:
         return self.name
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _DType) and other.name == self.name
 
 
 class _HostTensor:
