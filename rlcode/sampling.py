@@ -6,6 +6,12 @@ prefix cache (attention reads the prompt's keys once per group), while each row 
 cache of generated tokens. Rows are ordered group by group: row b belongs to prompt b // G, the
 layout `rlcode.advantages.group_advantages` expects.
 
+Documents (squid attention, REFERENCE.md §8): `encode_documents` computes each document's keys
+and values at every layer once (`DocKV`); `document_context` lays any subset of them side by side
+for a batch of prompts, in `shared` or `sequential` positions (re-positioning a cached document
+is a RoPE rotation of its keys); `sample_with_context` prefills only the global tokens against
+that context and samples G rows per prompt from the one encoding.
+
 The distribution sampled from is `rlcode.models.logprobs.process_logits` (temperature, top-k,
 top-p), and the behaviour log-probs returned are log-probs of exactly that distribution, so the
 trainer can recompute them with `token_logprobs(..., same options)`.
@@ -19,9 +25,11 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from rlcode.models.attention import AttentionMask
+from rlcode.models.attention import AttentionMask, KVCache
+from rlcode.models.layers import apply_rope
 from rlcode.models.logprobs import process_logits
 
 
@@ -89,16 +97,21 @@ def sample(
       cfg: a SamplingConfig (static).
     """
     model = nnx.merge(graphdef, params)
-    Pg, Lp = prompts.shape
-    G, M = group_size, cfg.max_new_tokens
-    B = Pg * G
     lengths_p = prompt_lengths.astype(jnp.int32)
-
     out = model(prompts, mask=AttentionMask(kv_lengths=lengths_p), return_kv=True)
     last = jnp.take_along_axis(out.hidden, (lengths_p - 1)[:, None, None], axis=1)[:, 0]  # [Pg, D]
-    logits = jnp.repeat(model.logits(last), G, axis=0)  # [B, V]
+    return _generate(model, out.kv, lengths_p, last, lengths_p, key, group_size, cfg)
+
+
+def _generate(model, prefix, prefix_lengths, last_hidden, first_position, key, G, cfg) -> SampleOutput:
+    """Decode G rows per prompt against the shared prefix cache (keys valid below prefix_lengths
+    [Pg]); last_hidden [Pg, D] predicts each row's first token, which sits at first_position [Pg]."""
+    Pg = prefix_lengths.shape[0]
+    M = cfg.max_new_tokens
+    B = Pg * G
+    logits = jnp.repeat(model.logits(last_hidden), G, axis=0)  # [B, V]
     row_keys = jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(B))
-    positions0 = jnp.repeat(lengths_p, G)
+    positions0 = jnp.repeat(first_position.astype(jnp.int32), G)
     stop_ids = jnp.asarray(cfg.stop_ids if cfg.stop_ids else (-1,), jnp.int32)
 
     def cond(state):
@@ -113,7 +126,7 @@ def sample(
         tokens = tokens.at[:, step].set(jnp.where(live, token, cfg.pad_id))
         logps = logps.at[:, step].set(jnp.where(live, logp, 0.0))
         done = done | jnp.isin(token, stop_ids)
-        hidden, suffix = model.decode(token, positions0 + step, out.kv, lengths_p, suffix, step)
+        hidden, suffix = model.decode(token, positions0 + step, prefix, prefix_lengths, suffix, step)
         return step + 1, tokens, logps, done, model.logits(hidden), suffix
 
     init = (
@@ -170,4 +183,164 @@ def to_training_batch(
         mask=target_is_gen[:, 1:],
         behavior_logp=jnp.where(target_is_gen, beh, 0.0)[:, 1:],
         kv_lengths=p + n,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Document KV reuse (squid attention)
+# --------------------------------------------------------------------------------------------
+
+
+class DocKV(NamedTuple):
+    """One document's keys and values at every layer, k/v [num_layers, L, K, H] (keys after RoPE),
+    encoded with its first token at position `start`. Under squid attention they depend on the
+    document alone, so they can be reused in any subset, order and position."""
+
+    k: jax.Array
+    v: jax.Array
+    start: int
+
+    @property
+    def length(self) -> int:
+        return int(self.k.shape[1])
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _encode(graphdef, params, tokens, positions, lengths):
+    model = nnx.merge(graphdef, params)
+    out = model(tokens, positions, AttentionMask(kv_lengths=lengths), return_kv=True)
+    return jnp.stack([kv.k for kv in out.kv]), jnp.stack([kv.v for kv in out.kv])
+
+
+def encode_documents(model: nnx.Module, docs, *, start: int = 0, pad_to: int = 16) -> list[DocKV]:
+    """Encode each document (a 1-D token sequence) alone, first token at position `start`.
+
+    The documents are run as one right-padded batch (length rounded up to `pad_to` so repeated
+    calls reuse compilations); each returned DocKV holds only its own tokens."""
+    docs = [np.asarray(d, np.int32) for d in docs]
+    for i, d in enumerate(docs):
+        if d.ndim != 1 or d.size == 0:
+            raise ValueError(f"document {i} must be a non-empty 1-D token sequence, got shape {d.shape}")
+    if not docs:
+        return []
+    L = -(-max(d.size for d in docs) // pad_to) * pad_to
+    tokens = np.zeros((len(docs), L), np.int32)
+    for i, d in enumerate(docs):
+        tokens[i, : d.size] = d
+    positions = np.broadcast_to(start + np.arange(L, dtype=np.int32), tokens.shape)
+    lengths = np.array([d.size for d in docs], np.int32)
+    graphdef, params = nnx.split(model)
+    k, v = _encode(graphdef, params, tokens, positions, lengths)  # [layers, m, L, K, H]
+    return [DocKV(k[:, i, : d.size], v[:, i, : d.size], int(start)) for i, d in enumerate(docs)]
+
+
+def rotate_keys(k: jax.Array, delta: int, theta: float) -> jax.Array:
+    """Move cached keys [..., L, K, H] by `delta` positions: RoPE is a rotation, R(p + d) = R(d) R(p)."""
+    if delta == 0:
+        return k
+    flat = k.reshape((-1,) + k.shape[-3:])
+    moved = apply_rope(flat, jnp.full(flat.shape[:2], delta, jnp.int32), theta)
+    return moved.reshape(k.shape)
+
+
+class DocumentContext(NamedTuple):
+    """Cached documents for a batch of P prompts: per layer k/v [P, S, K, H] (each row's documents
+    back to back from slot 0, then padding); valid [P, S]; length [P] document tokens per row;
+    next_position [P] the position of each row's first global token."""
+
+    k: list[jax.Array]
+    v: list[jax.Array]
+    valid: jax.Array
+    length: jax.Array
+    next_position: jax.Array
+
+
+def document_positions(lengths, mode: str, start: int = 0) -> tuple[list[int], int]:
+    """Start position of each document and of the global segment (REFERENCE.md §8):
+    `shared` – every document starts at `start`, the global segment after the longest one;
+    `sequential` – documents take consecutive positions, the global segment follows them."""
+    lengths = [int(n) for n in lengths]
+    if mode == "shared":
+        return [start] * len(lengths), start + max(lengths, default=0)
+    if mode == "sequential":
+        starts = [start + int(s) for s in np.cumsum([0] + lengths[:-1])] if lengths else []
+        return starts, start + sum(lengths)
+    raise ValueError(f"document position mode must be 'shared' or 'sequential', got {mode!r}")
+
+
+def document_context(
+    model: nnx.Module, doc_sets: list[list[DocKV]], *, mode: str = "shared", start: int = 0, pad_to: int = 64
+) -> DocumentContext:
+    """Lay out row p's documents `doc_sets[p]` (in that order) at the positions of `mode`.
+
+    A document encoded at another position is moved by rotating its keys (values carry no
+    position). S is the longest row's document tokens rounded up to `pad_to`."""
+    rows, lengths, next_pos = [], [], []
+    for docs in doc_sets:
+        starts, nxt = document_positions([d.length for d in docs], mode, start)
+        ks = [rotate_keys(d.k, s - d.start, model.cfg.rope_theta) for d, s in zip(docs, starts)]
+        vs = [d.v for d in docs]
+        rows.append((ks, vs))
+        lengths.append(sum(d.length for d in docs))
+        next_pos.append(nxt)
+    L, K, H = model.num_layers, model.cfg.num_kv_heads, model.cfg.head_dim
+    S = max(pad_to, -(-max(lengths, default=0) // pad_to) * pad_to)
+    k_rows, v_rows = [], []
+    for (ks, vs), n in zip(rows, lengths):
+        pad = jnp.zeros((L, S - n, K, H), model.cfg.dtype)
+        k_rows.append(jnp.concatenate([x.astype(model.cfg.dtype) for x in ks] + [pad], axis=1))
+        v_rows.append(jnp.concatenate([x.astype(model.cfg.dtype) for x in vs] + [pad], axis=1))
+    k_all, v_all = jnp.stack(k_rows, axis=1), jnp.stack(v_rows, axis=1)  # [layers, P, S, K, H]
+    n = jnp.asarray(lengths, jnp.int32)
+    return DocumentContext(
+        k=list(k_all), v=list(v_all), valid=jnp.arange(S)[None, :] < n[:, None], length=n,
+        next_position=jnp.asarray(next_pos, jnp.int32),
+    )
+
+
+def _prefill_context(model, context: DocumentContext, prompts):
+    positions = context.next_position[:, None] + jnp.arange(prompts.shape[1])[None, :]
+    layers = [KVCache(k, v) for k, v in zip(context.k, context.v)]
+    return model.forward_with_context(prompts, positions, layers, context.valid, return_kv=True)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def prefill_with_context(graphdef, params, context: DocumentContext, prompts) -> jax.Array:
+    """Hidden states [P, Lp, D] of the global tokens `prompts` [P, Lp] (right-padded) after the
+    cached documents; the documents themselves are not recomputed."""
+    return _prefill_context(nnx.merge(graphdef, params), context, prompts).hidden
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "group_size", "cfg"))
+def sample_with_context(
+    graphdef: nnx.GraphDef,
+    params: Any,
+    context: DocumentContext,
+    prompts: jax.Array,
+    prompt_lengths: jax.Array,
+    key: jax.Array,
+    *,
+    group_size: int,
+    cfg: SamplingConfig,
+) -> SampleOutput:
+    """`sample` for prompts that follow cached documents: the global tokens are prefilled once
+    against the context, then G rows per prompt decode against [documents | prompt]."""
+    model = nnx.merge(graphdef, params)
+    lengths_p = prompt_lengths.astype(jnp.int32)
+    out = _prefill_context(model, context, prompts)
+    last = jnp.take_along_axis(out.hidden, (lengths_p - 1)[:, None, None], axis=1)[:, 0]
+    # One contiguous prefix per prompt: its documents, then its prompt, then padding.
+    S, Lp = context.valid.shape[1], prompts.shape[1]
+    j = jnp.arange(S + Lp)[None, :]
+    src = jnp.where(j < context.length[:, None], j, S + j - context.length[:, None])
+    src = jnp.clip(src, 0, S + Lp - 1)[:, :, None, None]
+    prefix = [
+        KVCache(
+            jnp.take_along_axis(jnp.concatenate([ck, kv.k.astype(ck.dtype)], axis=1), src, axis=1),
+            jnp.take_along_axis(jnp.concatenate([cv, kv.v.astype(cv.dtype)], axis=1), src, axis=1),
+        )
+        for ck, cv, kv in zip(context.k, context.v, out.kv)
+    ]
+    return _generate(
+        model, prefix, context.length + lengths_p, last, context.next_position + lengths_p, key, group_size, cfg
     )

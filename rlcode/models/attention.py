@@ -1,8 +1,8 @@
-"""Attention: the one place that chooses the implementation (dense now; nsa and squid register).
+"""Attention: the one place that chooses the implementation (dense, nsa, squid).
 
 An attention kind is an `nnx.Module` class registered under a name with `@register_attention`;
 the model builds `ATTENTION[cfg.attention.kind](cfg, rngs=rngs)` and never branches on the kind.
-Every kind implements the same two calls:
+Every kind implements the same three calls:
 
 * `__call__(x_btd, positions_bt, mask) -> (y_btd, KVCache)` – a full causal forward over a
   sequence (training, prefill); it returns the layer's keys/values so a sampler can cache them.
@@ -12,6 +12,9 @@ Every kind implements the same two calls:
   token per row against a shared-prefix cache: `prefix` holds the keys/values of Pg prompts
   (prefilled once), row b of the B = Pg * G rows belongs to prompt b // G, and `suffix` holds
   each row's own generated keys/values (slot `step` is written by this call).
+
+Squid attention adds `attend_context(x_btd, positions_bt, context, context_valid)`: a global
+segment against cached document keys/values (`rlcode.sampling.encode_documents`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from kernels import nsa as nsa_kernels
+from kernels import squid as squid_kernels
 from rlcode.models.layers import RMSNorm, apply_rope, fan_in_init, make_param
 from rlcode.models.registry import Registry
 from rlcode.sharding import constrain
@@ -45,10 +50,13 @@ class AttentionMask(NamedTuple):
       padding). kv_lengths [B]: keys at positions >= length are padding (right padding). Either or
       neither may be given; with neither, every key is valid. The kv_lengths form keeps the mask
       implicit, which lets `jax.nn.dot_product_attention` pick a fused (cuDNN) kernel on GPU.
+    is_global [B, T] bool: only read by squid attention, where segments are documents (-1 =
+      padding) and a global token sees every document (REFERENCE.md §8).
     """
 
     segment_ids: jax.Array | None = None
     kv_lengths: jax.Array | None = None
+    is_global: jax.Array | None = None
 
 
 class QKVProjection(nnx.Module):
@@ -107,10 +115,7 @@ def _masked_partial_attention(q_bkrh, k_bskh, v_bskh, valid_bs, scale):
 
 def merge_attention(parts: list[tuple[jax.Array, jax.Array]]) -> jax.Array:
     """Combine partial softmax attentions over disjoint key sets by their log-sum-exps."""
-    lse = parts[0][1]
-    for _, l in parts[1:]:
-        lse = jnp.logaddexp(lse, l)
-    return sum(jnp.exp(l - lse)[..., None] * o for o, l in parts)
+    return squid_kernels.merge_partials(parts)[0]
 
 
 @register_attention("dense")
@@ -177,3 +182,257 @@ class DenseAttention(nnx.Module):
         o = merge_attention([(o_p, lse_p), (o_s, lse_s)])
         y = self.proj.out(o.reshape(B, 1, K * R, H))
         return y[:, 0], suffix
+
+
+@register_attention("squid")
+class SquidAttention(DenseAttention):
+    """Document-level attention whose per-document keys/values are reusable (REFERENCE.md §8).
+
+    Training / full forward: `mask.segment_ids` are document indices (-1 padding) and
+    `mask.is_global` marks the global segment; without segment ids the whole sequence is one
+    global segment (plain causal attention). `attend_context` is the reuse path: the global
+    segment's tokens against cached document keys/values (`kernels.squid.global_attention`).
+    Decoding is the dense decode: generated tokens are global and see every cached key.
+    Config: attention.impl ('auto' | 'xla' | 'triton').
+    """
+
+    def __call__(self, x_btd: jax.Array, positions_bt: jax.Array, mask: AttentionMask) -> tuple[jax.Array, KVCache]:
+        B, T = x_btd.shape[:2]
+        q, k, v = self.proj.qkv(x_btd, positions_bt)
+        if mask.segment_ids is None:
+            seg = jnp.zeros((B, T), jnp.int32)
+            glob = jnp.ones((B, T), bool)
+        else:
+            seg = mask.segment_ids.astype(jnp.int32)
+            glob = jnp.zeros((B, T), bool) if mask.is_global is None else mask.is_global.astype(bool)
+        if mask.kv_lengths is not None:
+            seg = jnp.where(jnp.arange(T)[None, :] < mask.kv_lengths[:, None], seg, -1)
+        o = squid_kernels.squid_attention(q, k, v, seg, glob, impl=self.cfg.attention.get("impl", "auto"))
+        o = constrain(o, ("batch", "seq", "heads", "head_dim"))
+        return self.proj.out(o), KVCache(k, v)
+
+    def attend_context(
+        self, x_btd: jax.Array, positions_bt: jax.Array, context: KVCache, context_valid: jax.Array
+    ) -> tuple[jax.Array, KVCache]:
+        """Global-segment tokens x [B,T,D] (right padding allowed) against cached document keys and
+        values context.k/v [B,S,K,H] where context_valid [B,S]; returns (y, own KVCache)."""
+        q, k, v = self.proj.qkv(x_btd, positions_bt)
+        o = squid_kernels.global_attention(
+            q, k, v, context.k, context.v, context_valid, impl=self.cfg.attention.get("impl", "auto")
+        )
+        return self.proj.out(o), KVCache(k, v)
+
+
+# ---------------------------------------------------------------------------------------------
+# NSA: Native Sparse Attention (Yuan et al. 2025, arXiv 2502.11089; REFERENCE.md section 7)
+# ---------------------------------------------------------------------------------------------
+
+
+class NSACache(NamedTuple):
+    """One NSA layer's cache: everything decoding reads besides the new token.
+
+    kv: keys/values of the selection branch [B, S, K, H] (of all three branches with shared_kv);
+    win: the window branch's, None with shared_kv; raw_cmp: the per-token keys/values the
+    compression MLP reads, None with shared_kv (it reads kv then); cmp: compressed blocks
+    [B, Sc, K, H]. In a full-forward (prefix) cache, cmp slot i is block i, tokens
+    [i*d, i*d + l); in a suffix cache, slot s is the s-th block completed during generation,
+    block num_compressed_blocks(prompt_length) + s.
+    """
+
+    kv: KVCache
+    win: KVCache | None
+    raw_cmp: KVCache | None
+    cmp: KVCache
+
+
+class NSACompression(nnx.Module):
+    """phi of NSA eq. 7 for each kv head: a block's l tokens [l, H] plus a learned intra-block
+    position embedding [l, H], flattened (l*H) and mapped by a 2-layer MLP (SiLU) to one [H]."""
+
+    def __init__(self, block_len: int, num_kv_heads: int, head_dim: int, hidden: int, cfg: Any, *, rngs: nnx.Rngs):
+        l, K, H, F, pd = block_len, num_kv_heads, head_dim, hidden, cfg.param_dtype
+        self.dtype = cfg.dtype
+        self.pos = make_param(rngs, nnx.initializers.normal(0.02), (l, K, H), (None, "kv_heads", "head_dim"), pd)
+        self.w1 = make_param(rngs, fan_in_init((0, 2)), (l, K, H, F), (None, "kv_heads", "head_dim", None), pd)
+        self.b1 = make_param(rngs, nnx.initializers.zeros, (K, F), ("kv_heads", None), pd)
+        self.w2 = make_param(rngs, fan_in_init((1,)), (K, F, H), ("kv_heads", None, "head_dim"), pd)
+        self.b2 = make_param(rngs, nnx.initializers.zeros, (K, H), ("kv_heads", "head_dim"), pd)
+
+    def __call__(self, blocks_bilkh: jax.Array) -> jax.Array:
+        """Blocks of tokens [B, I, l, K, H] -> compressed keys (or values) [B, I, K, H]."""
+        dt = self.dtype
+        x = blocks_bilkh.astype(dt) + self.pos[...].astype(dt)
+        h = jnp.einsum("bilkh,lkhf->bikf", x, self.w1[...].astype(dt)) + self.b1[...].astype(dt)
+        h = jax.nn.silu(h)
+        return jnp.einsum("bikf,kfh->bikh", h, self.w2[...].astype(dt)) + self.b2[...].astype(dt)
+
+
+@register_attention("nsa")
+class NSAAttention(nnx.Module):
+    """Native Sparse Attention (NSA, Yuan et al. 2025, arXiv 2502.11089) as a model layer.
+
+    o_t = sum over branches c in (cmp, slc, win) of g_t^c * Attn(q_t, K^c, V^c) with gates
+    g = sigmoid(x_t W_g + b_g) [N, 3] (a linear gate, the smallest "MLP"). Queries and keys come
+    from `QKVProjection` (RoPE, optional QK-norm); with shared_kv its keys/values serve all three
+    branches, otherwise the compression and window branches have their own K/V projections (paper
+    section 3.3.3). The compression branch's keys/values are `NSACompression` of blocks of the
+    (RoPE'd) per-token keys/values, so decoding compresses exactly what the cache holds.
+
+    Config (model.attention): kind="nsa", block_len l (32), stride d (16), select_size l' (64),
+    num_select n (16), window w (512), shared_kv (True), cmp_hidden (2 * head_dim: width of the
+    compression MLP), impl ("auto" | "xla" | "triton", for the full forward; decoding is jax.numpy).
+    Sequences are not packed (segment_ids are rejected); right padding (kv_lengths) needs no mask,
+    since a query sees only its past. Blocks are laid out by token index in the row (0..L-1;
+    prompt_length + step while decoding); RoPE uses the given positions, which equal that index
+    in the sampler.
+    """
+
+    def __init__(self, cfg: Any, *, rngs: nnx.Rngs):
+        a = cfg.attention
+        D, N, K, H = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        pd = cfg.param_dtype
+        self.cfg = cfg
+        self.sizes = nsa_kernels.check_sizes(
+            a.get("block_len", 32), a.get("stride", 16), a.get("select_size", 64), a.get("num_select", 16),
+            a.get("window", 512),
+        )
+        self.shared_kv = bool(a.get("shared_kv", True))
+        self.impl = a.get("impl", "auto")
+        self.proj = QKVProjection(cfg, rngs=rngs)
+        if not self.shared_kv:
+            for branch in ("cmp", "win"):
+                for kind in ("k", "v"):
+                    w = make_param(rngs, fan_in_init((0,)), (D, K, H), ("embed", "kv_heads", "head_dim"), pd)
+                    setattr(self, f"w{kind}_{branch}", w)
+                if cfg.qk_norm:
+                    norm = RMSNorm(H, eps=cfg.norm_eps, axis_name="head_dim", param_dtype=pd, rngs=rngs)
+                    setattr(self, f"k_norm_{branch}", norm)
+        hidden = int(a.get("cmp_hidden", 2 * H))
+        self.k_compress = NSACompression(self.sizes.block_len, K, H, hidden, cfg, rngs=rngs)
+        self.v_compress = NSACompression(self.sizes.block_len, K, H, hidden, cfg, rngs=rngs)
+        self.w_gate = make_param(rngs, fan_in_init((0,)), (D, N, 3), ("embed", "heads", None), pd)
+        self.b_gate = make_param(rngs, nnx.initializers.zeros, (N, 3), ("heads", None), pd)
+
+    def _branch_kv(self, x_btd: jax.Array, positions_bt: jax.Array, branch: str) -> KVCache:
+        """Keys (normed like QKVProjection's, RoPE'd) and values of a branch's own projection."""
+        dt = self.cfg.dtype
+        x = x_btd.astype(dt)
+        k = jnp.einsum("btd,dkh->btkh", x, getattr(self, f"wk_{branch}")[...].astype(dt))
+        v = jnp.einsum("btd,dkh->btkh", x, getattr(self, f"wv_{branch}")[...].astype(dt))
+        if self.cfg.qk_norm:
+            k = getattr(self, f"k_norm_{branch}")(k)
+        return KVCache(apply_rope(k, positions_bt, self.cfg.rope_theta), v)
+
+    def _gates(self, x_btd: jax.Array) -> jax.Array:
+        """sigmoid gates [B, T, N, 3] (cmp, slc, win), float32."""
+        g = jnp.einsum("btd,dnc->btnc", x_btd.astype(jnp.float32), self.w_gate[...].astype(jnp.float32))
+        return jax.nn.sigmoid(g + self.b_gate[...].astype(jnp.float32))
+
+    def _branches(self, k, v, win: KVCache | None):
+        if win is None:
+            return k, v
+        return {"slc": k, "win": win.k}, {"slc": v, "win": win.v}
+
+    def __call__(self, x_btd: jax.Array, positions_bt: jax.Array, mask: AttentionMask) -> tuple[jax.Array, NSACache]:
+        if mask.segment_ids is not None:
+            raise ValueError("attention.kind='nsa' does not support packed sequences (segment_ids)")
+        l, d = self.sizes.block_len, self.sizes.stride
+        q, k, v = self.proj.qkv(x_btd, positions_bt)
+        win = raw = None
+        if not self.shared_kv:
+            win = self._branch_kv(x_btd, positions_bt, "win")
+            raw = self._branch_kv(x_btd, positions_bt, "cmp")
+        src = KVCache(k, v) if raw is None else raw
+        T = x_btd.shape[1]
+        Tc = nsa_kernels.num_compressed_blocks(T, l, d)
+        idx = jnp.arange(Tc)[:, None] * d + jnp.arange(l)[None, :]  # [Tc, l] tokens of each block
+        cmp = KVCache(self.k_compress(src.k[:, idx]), self.v_compress(src.v[:, idx]))
+        kk, vv = self._branches(k, v, win)
+        o = nsa_kernels.nsa_attention(
+            q, kk, vv, cmp.k, cmp.v, self._gates(x_btd), **self.sizes._asdict(), impl=self.impl
+        )
+        o = constrain(o, ("batch", "seq", "heads", "head_dim"))
+        return self.proj.out(o), NSACache(KVCache(k, v), win, raw, cmp)
+
+    def init_suffix_cache(self, batch: int, max_len: int) -> NSACache:
+        """Empty per-row cache for max_len generated tokens; at most cdiv(max_len, d) compression
+        blocks complete while they are generated."""
+        K, H, dt = self.cfg.num_kv_heads, self.cfg.head_dim, self.cfg.dtype
+
+        def empty(length):
+            return KVCache(jnp.zeros((batch, length, K, H), dt), jnp.zeros((batch, length, K, H), dt))
+
+        return NSACache(
+            kv=empty(max_len),
+            win=None if self.shared_kv else empty(max_len),
+            raw_cmp=None if self.shared_kv else empty(max_len),
+            cmp=empty(-(-max_len // self.sizes.stride)),
+        )
+
+    def decode(
+        self,
+        x_bd: jax.Array,
+        positions_b: jax.Array,
+        prefix: NSACache,
+        prefix_lengths: jax.Array,
+        suffix: NSACache,
+        step: jax.Array,
+    ) -> tuple[jax.Array, NSACache]:
+        """One new token per row (token index prefix_lengths[b // G] + step) against the shared
+        prefix cache and the row's suffix; writes suffix slot `step` and, when the token completes
+        a compression block (t - l + 1 a multiple of d), that block, which may straddle the
+        prompt/generation boundary."""
+        l, d = self.sizes.block_len, self.sizes.stride
+        B = x_bd.shape[0]
+        G = B // prefix.kv.k.shape[0]
+        K = self.cfg.num_kv_heads
+        x, pos = x_bd[:, None], positions_b[:, None]
+        plen = prefix_lengths.astype(jnp.int32)
+        t = jnp.repeat(plen, G) + step
+
+        def write(cache: KVCache, new: KVCache) -> KVCache:
+            return KVCache(
+                jax.lax.dynamic_update_slice_in_dim(cache.k, new.k.astype(cache.k.dtype), step, axis=1),
+                jax.lax.dynamic_update_slice_in_dim(cache.v, new.v.astype(cache.v.dtype), step, axis=1),
+            )
+
+        q, k, v = self.proj.qkv(x, pos)
+        kv = write(suffix.kv, KVCache(k, v))
+        win = raw = None
+        if not self.shared_kv:
+            win = write(suffix.win, self._branch_kv(x, pos, "win"))
+            raw = write(suffix.raw_cmp, self._branch_kv(x, pos, "cmp"))
+
+        # The block ending at t, gathered across the prompt/generation boundary and compressed.
+        src_pre, src_suf = (prefix.kv, kv) if self.shared_kv else (prefix.raw_cmp, raw)
+        start = t - l + 1
+        completes = (start >= 0) & (start % d == 0)
+        tokens = jnp.broadcast_to(jnp.maximum(start, 0)[:, None, None] + jnp.arange(l), (B, K, l))
+        new_blocks = [
+            compress(nsa_kernels.SharedPrefix(pre, plen, suf).gather(tokens).transpose(0, 2, 1, 3)[:, None])[:, 0]
+            for compress, pre, suf in ((self.k_compress, src_pre.k, src_suf.k), (self.v_compress, src_pre.v, src_suf.v))
+        ]
+        n_prompt_blocks = nsa_kernels.num_compressed_blocks(plen, l, d)  # [Pg]
+        slot = jnp.clip(start // d - jnp.repeat(n_prompt_blocks, G), 0, suffix.cmp.k.shape[1] - 1)
+        rows = jnp.arange(B)
+
+        def put(cache, new):
+            return cache.at[rows, slot].set(jnp.where(completes[:, None, None], new.astype(cache.dtype), cache[rows, slot]))
+
+        cmp = KVCache(put(suffix.cmp.k, new_blocks[0]), put(suffix.cmp.v, new_blocks[1]))
+
+        def shared(pre, suf, lengths=plen):
+            return nsa_kernels.SharedPrefix(pre, lengths, suf)
+
+        k_slc, v_slc = shared(prefix.kv.k, kv.k), shared(prefix.kv.v, kv.v)
+        if self.shared_kv:
+            kk, vv = k_slc, v_slc
+        else:
+            kk = {"slc": k_slc, "win": shared(prefix.win.k, win.k)}
+            vv = {"slc": v_slc, "win": shared(prefix.win.v, win.v)}
+        o = nsa_kernels.nsa_decode(
+            q[:, 0], kk, vv, shared(prefix.cmp.k, cmp.k, n_prompt_blocks), shared(prefix.cmp.v, cmp.v, n_prompt_blocks),
+            self._gates(x)[:, 0], t, **self.sizes._asdict(),
+        )
+        y = self.proj.out(o[:, None])
+        return y[:, 0], NSACache(kv, win, raw, cmp)

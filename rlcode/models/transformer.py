@@ -117,9 +117,21 @@ class Block(nnx.Module):
 
     def __call__(self, x, positions, mask):
         y, kv = self.attn(self.attn_norm(x), positions, mask)
+        return self._mlp(x, y) + (kv,)
+
+    def with_context(self, x, positions, context, context_valid):
+        if not hasattr(self.attn, "attend_context"):
+            raise ValueError(
+                f"attention.kind={self.attn.cfg.attention['kind']!r} cannot attend to cached documents; "
+                "documents are only independent of each other under attention.kind='squid'"
+            )
+        y, kv = self.attn.attend_context(self.attn_norm(x), positions, context, context_valid)
+        return self._mlp(x, y) + (kv,)
+
+    def _mlp(self, x, y):
         x = constrain(x + y, ("batch", "seq", "embed"))
         y, aux = self.mlp(self.mlp_norm(x))
-        return constrain(x + y, ("batch", "seq", "embed")), kv, aux
+        return constrain(x + y, ("batch", "seq", "embed")), aux
 
     def decode(self, x_bd, positions_b, prefix, prefix_lengths, suffix, step):
         y, suffix = self.attn.decode(self.attn_norm(x_bd), positions_b, prefix, prefix_lengths, suffix, step)
@@ -184,9 +196,32 @@ class Transformer(nnx.Module):
         if positions_bt is None:
             positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
         x = constrain(self._embed(tokens_bt), ("batch", "seq", "embed"))
+        return self._run_blocks(x, lambda block, x: block(x, positions_bt, mask), return_kv)
+
+    def forward_with_context(
+        self,
+        tokens_bt: jax.Array,
+        positions_bt: jax.Array,
+        context: list[KVCache],
+        context_valid: jax.Array,
+        return_kv: bool = False,
+    ) -> ModelOutput:
+        """The global segment of squid attention (REFERENCE.md §8) against cached documents.
+
+        tokens/positions [B, T] (right padding allowed); context: per layer the documents' cached
+        keys/values [B, S, K, H] (`rlcode.sampling.document_context`); context_valid [B, S].
+        Equals the full packed forward at the global positions without recomputing documents.
+        """
+        if len(context) != self.num_layers:
+            raise ValueError(f"context has {len(context)} layers, the model {self.num_layers}")
+        x = constrain(self._embed(tokens_bt), ("batch", "seq", "embed"))
+        layers = iter(context)
+        return self._run_blocks(x, lambda block, x: block.with_context(x, positions_bt, next(layers), context_valid), return_kv)
+
+    def _run_blocks(self, x, apply, return_kv):
         kvs, aux = [], {}
         for block in self.blocks():
-            x, kv, block_aux = block(x, positions_bt, mask)
+            x, block_aux, kv = apply(block, x)
             kvs.append(kv)
             for name, value in block_aux.items():
                 aux[name] = aux.get(name, 0.0) + value
