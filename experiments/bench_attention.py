@@ -1,0 +1,283 @@
+"""Benchmark: dense vs NSA vs squid attention, forward and forward+backward, time and memory.
+
+    python -m experiments.bench_attention                  # CPU: T = 1k..16k, writes results/bench_attention.json
+    python -m experiments.bench_attention --quick          # small lengths, seconds
+    python -m experiments.bench_attention --lengths=65536 --impls=xla,triton,cudnn   # on a GPU
+
+Per sequence length T (B, N, K, H from flags; defaults N=4, K=1, H=64):
+
+  dense         causal attention, `jax.nn.dot_product_attention` (XLA; the baseline of every ratio)
+  dense_cudnn   the same through cuDNN (GPU only, impl `cudnn`)
+  flash         `kernels.flash.flash_attention`, causal (chunked XLA reference / Triton kernel)
+  nsa           `kernels.nsa.nsa_attention`, REFERENCE.md §7 defaults (l=32, d=16, l'=64, n=16,
+                w=512), random compressed keys/values and gates (the op, not the compression MLP)
+  squid         `kernels.squid.squid_attention` over T/doc_len documents of doc_len tokens
+
+and, separately, the reuse case of squid attention:
+
+  prefill_docs    `kernels.squid.global_attention`: a global segment of `--global_len` tokens
+                  over `T / doc_len` cached documents (T document tokens)
+  prefill_dense   causal attention over all T + global_len tokens (what prefilling without the
+                  cache costs)
+
+Each variant is compiled once (XLA's memory analysis gives its temporary bytes, the "memory"
+column), warmed up, then all variants of one length are called round-robin for `--repeats`
+rounds so that load from elsewhere on the machine falls on all alike; the median is reported and
+every ratio is against `dense` (or `prefill_dense`) of the same length in the same run. Variants
+whose dense score matrix would exceed `--max_dense_bytes` are skipped and marked so. Prints a
+table, writes JSON and a log-log PNG of time and memory vs length.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from kernels import _triton, flash, nsa, squid
+
+_LENGTHS = flags.DEFINE_list("lengths", ["1024", "2048", "4096", "8192", "16384"], "Sequence lengths T.")
+_B = flags.DEFINE_integer("B", 1, "Batch size.")
+_N = flags.DEFINE_integer("N", 4, "Query heads.")
+_K = flags.DEFINE_integer("K", 1, "Key/value heads.")
+_H = flags.DEFINE_integer("H", 64, "Head dim.")
+_DOC_LEN = flags.DEFINE_integer("doc_len", 1024, "Document length of the squid variants.")
+_GLOBAL_LEN = flags.DEFINE_integer("global_len", 256, "Global segment length of the prefill variants.")
+_IMPLS = flags.DEFINE_list("impls", ["xla"], "Faces to time: xla, triton (GPU or interpreter), cudnn (GPU).")
+_VARIANTS = flags.DEFINE_list(
+    "variants", ["dense", "flash", "nsa", "squid", "prefill"], "Which of dense, flash, nsa, squid, prefill to run."
+)
+_MODES = flags.DEFINE_list("modes", ["fwd", "fwdbwd"], "fwd and/or fwdbwd (value and gradient of sum(o * do)).")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "Input dtype.")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed rounds (median reported).")
+_MAX_DENSE_BYTES = flags.DEFINE_float(
+    "max_dense_bytes", 6e9, "Skip a dense variant whose [B,N,T,T] float32 scores exceed this (x3 with backward)."
+)
+_QUICK = flags.DEFINE_bool("quick", False, "Lengths 512,1024 (unless --lengths is given), short documents, 2 rounds.")
+_OUT = flags.DEFINE_string("out", None, "JSON path (default results/bench_attention.json; _quick with --quick).")
+_PNG = flags.DEFINE_string("png", None, "PNG path (default: the JSON path with .png).")
+
+NSA_DEFAULTS = dict(block_len=32, stride=16, select_size=64, num_select=16, window=512)
+
+
+def _inputs(key, B, T, N, K, H, dtype):
+    kq, kk, kv = jax.random.split(key, 3)
+    q = jax.random.normal(kq, (B, T, N, H), jnp.float32).astype(dtype)
+    k = jax.random.normal(kk, (B, T, K, H), jnp.float32).astype(dtype)
+    v = jax.random.normal(kv, (B, T, K, H), jnp.float32).astype(dtype)
+    return q, k, v
+
+
+def make_variant(name: str, impl: str, T: int, shape: dict, dtype) -> tuple[callable, tuple] | None:
+    """(function of float arrays returning o, its arguments), or None when the variant does not apply."""
+    B, N, K, H = shape["B"], shape["N"], shape["K"], shape["H"]
+    key = jax.random.key(T)
+    if name == "dense":
+        if impl not in ("xla", "cudnn"):
+            return None
+        q, k, v = _inputs(key, B, T, N, K, H, dtype)
+        fn = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation=impl)
+        return (lambda q, k, v: fn(q, k, v)), (q, k, v)
+    if name == "flash":
+        if impl == "cudnn":
+            return None
+        q, k, v = _inputs(key, B, T, N, K, H, dtype)
+        return (lambda q, k, v: flash.flash_attention(q, k, v, causal=True, impl=impl)), (q, k, v)
+    if name == "nsa":
+        if impl == "cudnn":
+            return None
+        q, k, v = _inputs(key, B, T, N, K, H, dtype)
+        Tc = nsa.num_compressed_blocks(T, NSA_DEFAULTS["block_len"], NSA_DEFAULTS["stride"])
+        kc, kvc, kg = jax.random.split(jax.random.fold_in(key, 1), 3)
+        k_cmp = jax.random.normal(kc, (B, Tc, K, H), jnp.float32).astype(dtype)
+        v_cmp = jax.random.normal(kvc, (B, Tc, K, H), jnp.float32).astype(dtype)
+        gates = jax.nn.sigmoid(jax.random.normal(kg, (B, T, N, 3), jnp.float32)).astype(dtype)
+        return (
+            lambda q, k, v, k_cmp, v_cmp, gates: nsa.nsa_attention(q, k, v, k_cmp, v_cmp, gates, **NSA_DEFAULTS, impl=impl)
+        ), (q, k, v, k_cmp, v_cmp, gates)
+    if name == "squid":
+        if impl == "cudnn":
+            return None
+        q, k, v = _inputs(key, B, T, N, K, H, dtype)
+        seg = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) // shape["doc_len"], (B, T))
+        glob = jnp.zeros((B, T), bool)
+        return (lambda q, k, v: squid.squid_attention(q, k, v, seg, glob, impl=impl)), (q, k, v)
+    if name == "prefill_docs":
+        if impl == "cudnn":
+            return None
+        G = shape["global_len"]
+        q, k, v = _inputs(key, B, G, N, K, H, dtype)
+        _, dk, dv = _inputs(jax.random.fold_in(key, 2), B, T, N, K, H, dtype)
+        valid = jnp.ones((B, T), bool)
+        return (lambda q, k, v, dk, dv: squid.global_attention(q, k, v, dk, dv, valid, impl=impl)), (q, k, v, dk, dv)
+    if name == "prefill_dense":
+        if impl not in ("xla", "cudnn"):
+            return None
+        q, k, v = _inputs(key, B, T + shape["global_len"], N, K, H, dtype)
+        fn = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation=impl)
+        return (lambda q, k, v: fn(q, k, v)), (q, k, v)
+    raise ValueError(f"unknown variant {name!r}")
+
+
+def _compile(fn, args, mode):
+    if mode == "fwd":
+        jitted = jax.jit(fn)
+    else:
+        def loss(*a):
+            o = fn(*a)
+            return jnp.sum(o.astype(jnp.float32) * jnp.cos(jnp.arange(o.size, dtype=jnp.float32).reshape(o.shape)))
+
+        float_args = tuple(i for i, a in enumerate(args) if jnp.issubdtype(a.dtype, jnp.floating))
+        jitted = jax.jit(jax.value_and_grad(loss, argnums=float_args))
+    t0 = time.perf_counter()
+    compiled = jitted.lower(*args).compile()
+    compile_s = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+    temp = None if mem is None else int(mem.temp_size_in_bytes)
+    return compiled, compile_s, temp
+
+
+def _dense_bytes(B, N, T, mode):
+    return B * N * T * T * 4 * (1 if mode == "fwd" else 3)
+
+
+def bench_length(T: int, shape: dict, impls, variants, modes, dtype, repeats, max_dense_bytes) -> list[dict]:
+    rows, entries = [], []
+    names = []
+    for v in variants:
+        names += ["prefill_docs", "prefill_dense"] if v == "prefill" else [v]
+    for mode in modes:
+        for name in names:
+            for impl in impls:
+                made = make_variant(name, impl, T, shape, dtype)
+                if made is None:
+                    continue
+                row = dict(T=T, variant=name if impl == "xla" else f"{name}_{impl}", op=name, impl=impl, mode=mode)
+                Tq = T + shape["global_len"] if name == "prefill_dense" else T
+                if name in ("dense", "prefill_dense") and _dense_bytes(shape["B"], shape["N"], Tq, mode) > max_dense_bytes:
+                    rows.append(dict(row, skipped="dense scores exceed --max_dense_bytes"))
+                    continue
+                fn, args = made
+                jax.block_until_ready(args)
+                compiled, compile_s, temp = _compile(fn, args, mode)
+                jax.block_until_ready(compiled(*args))  # warm-up
+                entries.append((dict(row, compile_s=compile_s, temp_bytes=temp), compiled, args, []))
+    for r in range(repeats):
+        for _, compiled, args, times in entries:
+            t0 = time.perf_counter()
+            jax.block_until_ready(compiled(*args))
+            times.append(time.perf_counter() - t0)
+    for row, _, _, times in entries:
+        rows.append(dict(row, median_s=statistics.median(times), min_s=min(times), times_s=times))
+    # Ratios against the baseline of the same length and mode, from this run.
+    for row in rows:
+        if "median_s" not in row:
+            continue
+        base_name = "prefill_dense" if row["op"].startswith("prefill") else "dense"
+        base = next((b for b in rows if b["variant"] == base_name and b["mode"] == row["mode"] and "median_s" in b), None)
+        row["speedup_vs_dense"] = None if base is None else base["median_s"] / row["median_s"]
+        if base is not None and base.get("temp_bytes") and row.get("temp_bytes"):
+            row["memory_ratio_vs_dense"] = base["temp_bytes"] / row["temp_bytes"]
+    return rows
+
+
+def print_table(rows):
+    print(f"{'T':>6} {'mode':>6} {'variant':<20} {'median s':>10} {'vs dense':>9} {'temp MiB':>10} {'compile s':>9}")
+    for r in rows:
+        if "skipped" in r:
+            print(f"{r['T']:>6} {r['mode']:>6} {r['variant']:<20} {'skipped: ' + r['skipped']}")
+            continue
+        sp = r.get("speedup_vs_dense")
+        mem = r.get("temp_bytes")
+        print(
+            f"{r['T']:>6} {r['mode']:>6} {r['variant']:<20} {r['median_s']:>10.4f} "
+            f"{(f'{sp:.2f}x' if sp else '-'):>9} {(f'{mem / 2**20:.1f}' if mem is not None else '-'):>10} {r['compile_s']:>9.1f}"
+        )
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    variants = sorted({r["variant"] for r in rows if "median_s" in r})
+    for mode, style in (("fwd", "-"), ("fwdbwd", "--")):
+        for i, v in enumerate(variants):
+            pts = sorted((r["T"], r["median_s"], r.get("temp_bytes")) for r in rows if r["variant"] == v and r["mode"] == mode and "median_s" in r)
+            if not pts:
+                continue
+            color = f"C{i}"
+            axes[0].plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", color=color, label=f"{v} {mode}")
+            mem = [(p[0], p[2]) for p in pts if p[2]]
+            if mem:
+                axes[1].plot([m[0] for m in mem], [m[1] / 2**20 for m in mem], style, marker="o", color=color, label=f"{v} {mode}")
+    for ax, label in zip(axes, ("median time (s)", "XLA temporary memory (MiB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length T (prefill: document tokens)")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"attention on {jax.default_backend()}: dense vs NSA vs squid (solid fwd, dashed fwd+bwd)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main(argv):
+    del argv
+    quick = _QUICK.value
+    lengths = [512, 1024] if quick and not flags.FLAGS["lengths"].present else [int(x) for x in _LENGTHS.value]
+    repeats = 2 if quick and not flags.FLAGS["repeats"].present else _REPEATS.value
+    shape = dict(B=_B.value, N=_N.value, K=_K.value, H=_H.value, doc_len=_DOC_LEN.value, global_len=_GLOBAL_LEN.value)
+    if quick:
+        shape.update(doc_len=128, global_len=64)
+    for impl in _IMPLS.value:
+        if impl not in ("xla", "triton", "cudnn"):
+            raise app.UsageError(f"--impls: unknown face {impl!r}")
+        if impl == "triton" and _triton.available() is not None:
+            raise app.UsageError(f"--impls=triton: {_triton.available()}")
+        if impl == "cudnn" and jax.default_backend() != "gpu":
+            raise app.UsageError("--impls=cudnn needs a GPU")
+    for T in lengths:
+        if T % shape["doc_len"] and T > shape["doc_len"]:
+            raise app.UsageError(f"length {T} is not a multiple of --doc_len={shape['doc_len']}")
+    out = _OUT.value or os.path.join("results", "bench_attention_quick.json" if quick else "bench_attention.json")
+    png = _PNG.value or os.path.splitext(out)[0] + ".png"
+    dtype = jnp.dtype(_DTYPE.value)
+    rows = []
+    for T in lengths:
+        print(f"T={T}: compiling and timing ...", flush=True)
+        doc_shape = dict(shape, doc_len=min(shape["doc_len"], T))
+        new = bench_length(T, doc_shape, _IMPLS.value, _VARIANTS.value, _MODES.value, dtype, repeats, _MAX_DENSE_BYTES.value)
+        print_table(new)
+        rows += new
+    print("\nsummary")
+    print_table(rows)
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    record = dict(
+        backend=jax.default_backend(),
+        device=str(jax.devices()[0].device_kind),
+        shape=shape,
+        dtype=_DTYPE.value,
+        nsa=NSA_DEFAULTS,
+        repeats=repeats,
+        rows=rows,
+    )
+    with open(out, "w") as f:
+        json.dump(record, f, indent=1)
+    plot(rows, png)
+    print(f"wrote {out} and {png}")
+
+
+if __name__ == "__main__":
+    app.run(main)
