@@ -1,6 +1,7 @@
 """Benchmark: dense vs NSA vs squid attention, forward and forward+backward, time and memory.
 
-    python -m experiments.bench_attention                  # CPU: T = 1k..16k, writes results/bench_attention.json
+    python -m experiments.bench_attention                  # CPU: T = 1k..16k -> results/bench_attention.json,
+                                                           #   docs/figures/bench_attention.png
     python -m experiments.bench_attention --quick          # small lengths, seconds
     python -m experiments.bench_attention --lengths=65536 --impls=xla,triton,cudnn   # on a GPU
 
@@ -62,7 +63,9 @@ _MAX_DENSE_BYTES = flags.DEFINE_float(
 )
 _QUICK = flags.DEFINE_bool("quick", False, "Lengths 512,1024 (unless --lengths is given), short documents, 2 rounds.")
 _OUT = flags.DEFINE_string("out", None, "JSON path (default results/bench_attention.json; _quick with --quick).")
-_PNG = flags.DEFINE_string("png", None, "PNG path (default: the JSON path with .png).")
+_PNG = flags.DEFINE_string(
+    "png", None, "PNG path (default docs/figures/bench_attention.png; next to the JSON with --quick or --out)."
+)
 
 NSA_DEFAULTS = dict(block_len=32, stride=16, select_size=64, num_select=16, window=512)
 
@@ -252,7 +255,12 @@ def main(argv):
         if T % shape["doc_len"] and T > shape["doc_len"]:
             raise app.UsageError(f"length {T} is not a multiple of --doc_len={shape['doc_len']}")
     out = _OUT.value or os.path.join("results", "bench_attention_quick.json" if quick else "bench_attention.json")
-    png = _PNG.value or os.path.splitext(out)[0] + ".png"
+    if _PNG.value:
+        png = _PNG.value
+    elif quick or _OUT.value:
+        png = os.path.splitext(out)[0] + ".png"
+    else:
+        png = os.path.join("docs", "figures", "bench_attention.png")
     dtype = jnp.dtype(_DTYPE.value)
     rows = []
     for T in lengths:
