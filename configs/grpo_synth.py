@@ -7,14 +7,19 @@ is a comma-separated list of `name=value` choices:
 
   loss=<recipe>   one of rlcode.recipes.RECIPES (grpo, dr_grpo, dapo, gspo, cispo, ppo); ppo adds
                   the value head and uses GAE. Default grpo.
+  attention=<kind>  dense (default), nsa or squid. NSA's sizes are scaled to these short
+                  sequences (l=16, d=8, l'=32, n=4, w=64: a query reads 128 selected tokens, a
+                  64-token window and up to 33 compressed blocks of its up to 272 keys); squid
+                  without documents is causal attention.
 
-e.g. `--config=configs/grpo_synth.py:loss=dapo`. Any field can then be overridden:
+e.g. `--config=configs/grpo_synth.py:loss=dapo,attention=nsa`. Any field can then be overridden:
 `--config.rollout.async=True --config.rollout.max_staleness=2`, `--config.seed=1
 --config.workdir=runs/grpo_synth/seed1`, `--config.resume=True`, `--config.mesh.data=8`.
 """
 
 import ml_collections
 
+from rlcode.models.attention import attention_config
 from rlcode.models.transformer import model_config
 from rlcode.recipes import RECIPES, recipe
 from rlcode.sharding import mesh_config
@@ -22,7 +27,10 @@ from rlcode.train.rollout import reward_config
 from rlcode.train.sft import sft_config
 from rlcode.train.step import optim_config
 
-ARGS = tuple(f"loss={name}" for name in RECIPES)
+ARGS = tuple(f"loss={name}" for name in RECIPES) + ("attention=nsa", "attention=squid")
+
+# NSA at the scale of these sequences (prompt <= 192 + 80 generated tokens).
+SYNTH_NSA = dict(block_len=16, stride=8, select_size=32, num_select=4, window=64)
 
 # 4 layers of width 128 over the byte vocabulary: about 0.8M parameters, small enough that SFT
 # and a few hundred RL steps fit in minutes on two CPU cores.
@@ -31,7 +39,7 @@ SYNTH_SHAPE = dict(vocab_size=320, d_model=128, num_layers=4, num_heads=4, num_k
 
 
 def _parse(arg):
-    choices = {"loss": "grpo"}
+    choices = {"loss": "grpo", "attention": "dense"}
     for item in filter(None, (arg or "").split(",")):
         name, sep, value = item.partition("=")
         if not sep or name not in choices:
@@ -48,6 +56,7 @@ def get_config(arg=None):
     cfg.resume = False
 
     cfg.model = model_config(**SYNTH_SHAPE)
+    cfg.model.attention = attention_config(choices["attention"], **(SYNTH_NSA if choices["attention"] == "nsa" else {}))
     cfg.mesh = mesh_config()
 
     # Task suite: depth-1 and depth-2 programs; prompts up to 192 bytes (about 95% of tasks).

@@ -36,6 +36,31 @@ register_attention = ATTENTION.register
 make_attention = ATTENTION.build
 
 
+# Every option of each kind with its default; `attention_config` fills a config section from it.
+ATTENTION_OPTIONS = {
+    "dense": {},
+    "squid": {"impl": "auto"},
+    # REFERENCE.md §7 defaults; cmp_hidden 0 = 2 * head_dim (width of the compression MLP).
+    "nsa": {"block_len": 32, "stride": 16, "select_size": 64, "num_select": 16, "window": 512, "shared_kv": True,
+            "cmp_hidden": 0, "impl": "auto"},
+}
+
+
+def attention_config(kind: str = "dense", **overrides: Any) -> dict[str, Any]:
+    """The `model.attention` section of a kind with every option present (so each can be overridden
+    from the command line), e.g. attention_config("nsa", window=64)."""
+    if kind not in ATTENTION_OPTIONS:
+        raise ValueError(f"unknown attention kind {kind!r}; known: {sorted(ATTENTION_OPTIONS)}")
+    unknown = set(overrides) - set(ATTENTION_OPTIONS[kind])
+    if unknown:
+        raise ValueError(f"attention kind {kind!r} has no option(s) {sorted(unknown)}; it has {sorted(ATTENTION_OPTIONS[kind])}")
+    return {"kind": kind, **ATTENTION_OPTIONS[kind], **overrides}
+
+
+def _options(cfg: Any, kind: str) -> dict[str, Any]:
+    return {**ATTENTION_OPTIONS[kind], **dict(cfg.attention)}
+
+
 class KVCache(NamedTuple):
     """Keys and values of one layer: k, v [B, S, K, H]."""
 
@@ -207,7 +232,7 @@ class SquidAttention(DenseAttention):
             glob = jnp.zeros((B, T), bool) if mask.is_global is None else mask.is_global.astype(bool)
         if mask.kv_lengths is not None:
             seg = jnp.where(jnp.arange(T)[None, :] < mask.kv_lengths[:, None], seg, -1)
-        o = squid_kernels.squid_attention(q, k, v, seg, glob, impl=self.cfg.attention.get("impl", "auto"))
+        o = squid_kernels.squid_attention(q, k, v, seg, glob, impl=_options(self.cfg, "squid")["impl"])
         o = constrain(o, ("batch", "seq", "heads", "head_dim"))
         return self.proj.out(o), KVCache(k, v)
 
@@ -218,7 +243,7 @@ class SquidAttention(DenseAttention):
         values context.k/v [B,S,K,H] where context_valid [B,S]; returns (y, own KVCache)."""
         q, k, v = self.proj.qkv(x_btd, positions_bt)
         o = squid_kernels.global_attention(
-            q, k, v, context.k, context.v, context_valid, impl=self.cfg.attention.get("impl", "auto")
+            q, k, v, context.k, context.v, context_valid, impl=_options(self.cfg, "squid")["impl"]
         )
         return self.proj.out(o), KVCache(k, v)
 
@@ -279,7 +304,7 @@ class NSAAttention(nnx.Module):
     (RoPE'd) per-token keys/values, so decoding compresses exactly what the cache holds.
 
     Config (model.attention): kind="nsa", block_len l (32), stride d (16), select_size l' (64),
-    num_select n (16), window w (512), shared_kv (True), cmp_hidden (2 * head_dim: width of the
+    num_select n (16), window w (512), shared_kv (True), cmp_hidden (0 = 2 * head_dim: width of the
     compression MLP), impl ("auto" | "xla" | "triton", for the full forward; decoding is jax.numpy).
     Sequences are not packed (segment_ids are rejected); right padding (kv_lengths) needs no mask,
     since a query sees only its past. Blocks are laid out by token index in the row (0..L-1;
@@ -288,16 +313,15 @@ class NSAAttention(nnx.Module):
     """
 
     def __init__(self, cfg: Any, *, rngs: nnx.Rngs):
-        a = cfg.attention
+        a = _options(cfg, "nsa")
         D, N, K, H = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         pd = cfg.param_dtype
         self.cfg = cfg
         self.sizes = nsa_kernels.check_sizes(
-            a.get("block_len", 32), a.get("stride", 16), a.get("select_size", 64), a.get("num_select", 16),
-            a.get("window", 512),
+            a["block_len"], a["stride"], a["select_size"], a["num_select"], a["window"]
         )
-        self.shared_kv = bool(a.get("shared_kv", True))
-        self.impl = a.get("impl", "auto")
+        self.shared_kv = bool(a["shared_kv"])
+        self.impl = a["impl"]
         self.proj = QKVProjection(cfg, rngs=rngs)
         if not self.shared_kv:
             for branch in ("cmp", "win"):
@@ -307,7 +331,7 @@ class NSAAttention(nnx.Module):
                 if cfg.qk_norm:
                     norm = RMSNorm(H, eps=cfg.norm_eps, axis_name="head_dim", param_dtype=pd, rngs=rngs)
                     setattr(self, f"k_norm_{branch}", norm)
-        hidden = int(a.get("cmp_hidden", 2 * H))
+        hidden = int(a["cmp_hidden"]) or 2 * H
         self.k_compress = NSACompression(self.sizes.block_len, K, H, hidden, cfg, rngs=rngs)
         self.v_compress = NSACompression(self.sizes.block_len, K, H, hidden, cfg, rngs=rngs)
         self.w_gate = make_param(rngs, fan_in_init((0,)), (D, N, 3), ("embed", "heads", None), pd)

@@ -202,3 +202,16 @@ def test_registries_and_config_validation():
         assert float(out.aux["test_aux"]) == 1.0  # summed over the 2 layers
     finally:
         del mlp_lib.MLP["test_zero_mlp"]
+
+
+def test_attention_config_lists_every_option_and_rejects_unknown_ones():
+    cfg = attn_lib.attention_config("nsa", window=64)
+    assert cfg["kind"] == "nsa" and cfg["window"] == 64 and cfg["block_len"] == 32 and cfg["num_select"] == 16
+    assert attn_lib.attention_config("squid") == {"kind": "squid", "impl": "auto"}
+    with pytest.raises(ValueError, match="unknown attention kind"):
+        attn_lib.attention_config("linear")
+    with pytest.raises(ValueError, match="no option"):
+        attn_lib.attention_config("dense", window=4)
+    # A model built from a partial section takes the remaining options' defaults.
+    model = init_model(small_config(attention={"kind": "nsa", "window": 8, "impl": "xla"}))
+    assert model.block_0.attn.sizes.window == 8 and model.block_0.attn.sizes.select_size == 64
