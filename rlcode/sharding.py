@@ -103,6 +103,12 @@ def use_mesh(mesh: Mesh, rules: Rules) -> Iterator[None]:
         _CONTEXT.reset(token)
 
 
+def active_mesh() -> tuple[Mesh, Rules] | None:
+    """The (mesh, rules) of the enclosing `use_mesh`, or None outside one (layers that write
+    their collectives by hand with `shard_map` read the mesh from here)."""
+    return _CONTEXT.get()
+
+
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     """`with_sharding_constraint` by logical names inside `use_mesh`; the identity outside it."""
     ctx = _CONTEXT.get()

@@ -1,9 +1,10 @@
-"""Feed-forward layers: the one place that chooses the implementation (dense now; moe registers).
+"""Feed-forward layers: the one place that chooses the implementation (dense, moe).
 
 An MLP kind is an `nnx.Module` class registered with `@register_mlp(kind)`, built as
 `MLP[cfg.mlp.kind](cfg, rngs=rngs)` and called as `mlp(x_btd) -> (y_btd, aux)`, where `aux` is a
-dict of scalar auxiliary losses/metrics (empty for dense; load-balancing and z-loss for MoE) that
-the model sums over layers.
+dict of auxiliary losses (names ending in "_loss", added to the objective by the train step) and
+metrics (scalars or arrays such as MoE's per-expert load) that the model sums over layers (empty
+for dense; see rlcode.models.moe).
 """
 
 from __future__ import annotations
@@ -41,3 +42,7 @@ class SwiGLU(nnx.Module):
         up = jnp.einsum("btd,df->btf", x, self.w_up[...].astype(dt))
         h = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
         return jnp.einsum("btf,fd->btd", h, self.w_down[...].astype(dt)), {}
+
+
+# Registers kind "moe" (imported last: rlcode.models.moe builds on this module's registry).
+from rlcode.models import moe as _moe  # noqa: E402,F401

@@ -26,6 +26,9 @@ from rlcode.models.mlp import make_mlp
 from rlcode.sharding import constrain
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# Aux entries also reported per layer as "<name>_layer<i>" (besides their sum over layers): an MoE
+# layer's expert load, which its own router-bias update needs.
+PER_LAYER_AUX = ("moe_load",)
 
 
 def model_config(**overrides: Any) -> ml_collections.ConfigDict:
@@ -97,7 +100,8 @@ class ModelConfig:
 
 class ModelOutput(NamedTuple):
     """hidden [B, T, D] after the final norm; values [B, T] float32 (value head) or None;
-    aux: summed auxiliary losses of the MLPs; kv: per-layer KVCache when requested."""
+    aux: auxiliary losses/metrics of the MLPs summed over layers (plus PER_LAYER_AUX per layer);
+    kv: per-layer KVCache when requested."""
 
     hidden: jax.Array
     values: jax.Array | None
@@ -220,11 +224,13 @@ class Transformer(nnx.Module):
 
     def _run_blocks(self, x, apply, return_kv):
         kvs, aux = [], {}
-        for block in self.blocks():
+        for i, block in enumerate(self.blocks()):
             x, block_aux, kv = apply(block, x)
             kvs.append(kv)
             for name, value in block_aux.items():
                 aux[name] = aux.get(name, 0.0) + value
+                if name in PER_LAYER_AUX:
+                    aux[f"{name}_layer{i}"] = value
         hidden = self.final_norm(x)
         return ModelOutput(hidden, self._value(hidden), aux, kvs if return_kv else None)
 
@@ -257,7 +263,8 @@ def init_model(config: Any, seed: int = 0) -> Transformer:
 
 
 def logical_axes(model: nnx.Module) -> Any:
-    """Pure-dict tree of each parameter's logical axis names, matching `nnx.to_pure_dict`."""
-    state = nnx.state(model, nnx.Param)
+    """Pure-dict tree of each variable's logical axis names (parameters and non-trained state such
+    as an MoE router bias), matching `nnx.to_pure_dict(nnx.state(model))`."""
+    state = nnx.state(model)
     axes = jax.tree.map(lambda v: v.get_metadata()["logical_axes"], state, is_leaf=lambda x: isinstance(x, nnx.Variable))
     return nnx.to_pure_dict(axes)

@@ -25,6 +25,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rlcode import losses
+from rlcode.models.moe import rebalance_routers
 from rlcode.models.attention import AttentionMask
 from rlcode.models.logprobs import token_logprobs
 from rlcode.models.transformer import logical_axes
@@ -198,7 +199,9 @@ def make_train_step(
         )
         for name, value in aux.items():
             # Auxiliary (MoE) losses are means over the micro-batch; weight them like the tokens.
-            num = num + value * den
+            # Other aux entries (load fractions, drop rates) are metrics only.
+            if name.endswith("_loss"):
+                num = num + value * den
             metrics[f"aux_{name}"] = jax.lax.stop_gradient(value)
         return num, den, metrics
 
@@ -213,6 +216,7 @@ def make_train_step(
         loss, grads, metrics = losses.accumulate_gradients(terms_fn, state.params, mbs)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        params = rebalance_routers(graphdef, state.params, params, metrics)
         metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads), update_norm=optax.tree.norm(updates))
         if schedule is not None:
             metrics["lr"] = schedule(state.step)
