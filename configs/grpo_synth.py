@@ -7,6 +7,9 @@ is a comma-separated list of `name=value` choices:
 
   loss=<recipe>   one of rlcode.recipes.RECIPES (grpo, dr_grpo, dapo, gspo, cispo, ppo); ppo adds
                   the value head and uses GAE. Default grpo.
+  mlp=<kind>      dense (default) or moe (8 SwiGLU experts of width 96, top-2, softmax router with
+                  the Switch aux and z losses; add `--config.model.mlp.precision=mxfp8` for MXFP8
+                  expert GEMMs).
   attention=<kind>  dense (default), nsa or squid. NSA's sizes are scaled to these short
                   sequences (l=16, d=8, l'=32, n=4, w=64: a query reads 128 selected tokens, a
                   64-token window and up to 33 compressed blocks of its up to 272 keys); squid
@@ -20,6 +23,7 @@ e.g. `--config=configs/grpo_synth.py:loss=dapo,attention=nsa`. Any field can the
 import ml_collections
 
 from rlcode.models.attention import attention_config
+from rlcode.models.moe import moe_config
 from rlcode.models.transformer import model_config
 from rlcode.recipes import RECIPES, recipe
 from rlcode.sharding import mesh_config
@@ -27,7 +31,7 @@ from rlcode.train.rollout import reward_config
 from rlcode.train.sft import sft_config
 from rlcode.train.step import optim_config
 
-ARGS = tuple(f"loss={name}" for name in RECIPES) + ("attention=nsa", "attention=squid")
+ARGS = tuple(f"loss={name}" for name in RECIPES) + ("attention=nsa", "attention=squid", "mlp=moe")
 
 # NSA at the scale of these sequences (prompt <= 192 + 80 generated tokens).
 SYNTH_NSA = dict(block_len=16, stride=8, select_size=32, num_select=4, window=64)
@@ -39,7 +43,7 @@ SYNTH_SHAPE = dict(vocab_size=320, d_model=128, num_layers=4, num_heads=4, num_k
 
 
 def _parse(arg):
-    choices = {"loss": "grpo", "attention": "dense"}
+    choices = {"loss": "grpo", "attention": "dense", "mlp": "dense"}
     for item in filter(None, (arg or "").split(",")):
         name, sep, value = item.partition("=")
         if not sep or name not in choices:
@@ -56,6 +60,10 @@ def get_config(arg=None):
     cfg.resume = False
 
     cfg.model = model_config(**SYNTH_SHAPE)
+    if choices["mlp"] not in ("dense", "moe"):
+        raise ValueError(f"config argument mlp={choices['mlp']!r}: expected dense or moe")
+    if choices["mlp"] == "moe":
+        cfg.model.mlp = moe_config(num_experts=8, top_k=2, expert_ffw_dim=96)
     cfg.model.attention = attention_config(choices["attention"], **(SYNTH_NSA if choices["attention"] == "nsa" else {}))
     cfg.mesh = mesh_config()
 

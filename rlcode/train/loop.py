@@ -579,7 +579,13 @@ def run(cfg: Any, *, pool: Any = None, log: Callable[[str], None] | None = None,
                         state, m = train_step(state, mb)
                         for k, v in m.items():
                             metrics_acc.setdefault(k, []).append(v)
-                m = {k: float(np.mean(jax.device_get(v))) for k, v in metrics_acc.items()}
+                m = {}
+                for k, v in metrics_acc.items():
+                    mean = np.mean(np.stack(jax.device_get(v)), axis=0)
+                    if mean.ndim == 0:
+                        m[k] = float(mean)
+                    else:  # per-element tags, e.g. an MoE layer's load per expert: aux_moe_load/3
+                        m.update({f"{k}/{i}": float(x) for i, x in enumerate(mean.ravel())})
                 t_train = time.perf_counter() - t1
                 if not (np.isfinite(m["loss"]) and np.isfinite(m["grad_norm"])):
                     ckpt.wait()

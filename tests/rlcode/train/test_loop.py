@@ -138,6 +138,21 @@ def test_job_trains_with_each_attention_kind(tmp_path, pool, attention):
     assert abs(scalars["train/is_weight_p05"][0][1] - 1) < 1e-3
 
 
+def test_job_trains_an_moe_policy_and_logs_router_statistics(tmp_path, pool):
+    cfg = tiny_job.tiny_config(tmp_path, steps=2, arg="mlp=moe", eval__at_start=False, eval__at_end=False)
+    cfg.model.mlp.update(num_experts=4, router="sigmoid", precision="mxfp8", impl="xla")
+    result = loop.run(cfg, pool=pool)
+    assert result.completed and result.steps_done == 2
+    scalars = read_scalars(tmp_path / "tb")
+    for tag in ("train/aux_moe_aux_loss", "train/aux_moe_z_loss", "train/aux_moe_dropped_frac",
+                "train/aux_moe_bias_abs_mean"):
+        assert all(np.isfinite(v) for _, v in scalars[tag]), tag
+    # Per-expert load, summed over the one layer: fractions of the assignments, summing to 1.
+    loads = [scalars[f"train/aux_moe_load/{e}"][-1][1] for e in range(4)]
+    assert abs(sum(loads) - 1) < 1e-5 and all(0 <= x <= 1 for x in loads)
+    assert scalars["train/aux_moe_bias_abs_mean"][-1][1] > 0  # the bias moved after the steps
+
+
 def test_nonfinite_loss_stops_with_statistics_and_keeps_checkpoints(tmp_path, pool):
     cfg = tiny_job.tiny_config(tmp_path, steps=4, eval__at_start=False)
 
