@@ -25,7 +25,11 @@ Precisions (`precision=`):
 Faces (ARCHITECTURE "Kernels: one op, three faces"):
 
 * `grouped_matmul_reference` - `jax.lax.ragged_dot` (the XLA path; dw of the MX face by
-  `ragged_dot_general` with the token axis ragged and contracted).
+  `ragged_dot_general` with the token axis ragged and contracted). XLA:CPU lowers ragged_dot to a
+  dense dot over all E groups, so on CPU the same GEMM runs as a loop (`lax.map`) over row tiles
+  of `row_tiles` (each tile inside one group, matmul with that group's weights), with a
+  hand-written backward of the same form (dx: the loop on w^T; dw: tile products added into
+  their expert).
 * `grouped_matmul_triton` - a Triton grouped GEMM: one program per (row tile, column tile), each
   row tile inside a single expert's group. The tile -> (expert, rows) table is computed in JAX by
   padding every group to a multiple of the row tile, so the grid is static (cdiv(M, BM) + E row
@@ -101,12 +105,82 @@ def pad_groups(a, group_sizes, multiple):
 # ---------------------------------------------------------------------------------------------
 
 
+def ragged_dot_is_dense() -> bool:
+    """True where XLA lowers `ragged_dot` to a dense dot over every group (XLA:CPU: E times the
+    work and memory of the grouped GEMM; measured 8x slower than one-hot dispatch at E=64)."""
+    return jax.default_backend() == "cpu"
+
+
+def _tile_rows(group_sizes, M, block_m):
+    """Row tiles of `row_tiles`: (expert [nt], row index [nt, block_m] with M for padding, valid)."""
+    e, start, end = row_tiles(group_sizes, M, block_m)
+    rows = start[:, None] + jnp.arange(block_m, dtype=jnp.int32)
+    valid = rows < end[:, None]
+    return e, jnp.where(valid, rows, M), valid
+
+
+def _gather_tiles(a, rows):
+    """a [M, ...] -> [nt, block_m, ...]; row index M reads a zero row."""
+    a_pad = jnp.concatenate([a, jnp.zeros((1,) + a.shape[1:], a.dtype)])
+    return a_pad[rows]
+
+
+def _tiled_forward(x, w, group_sizes, block_m):
+    """float32 [M, N] = x_r @ w[e(r)] as a loop over row tiles, each inside one expert's group."""
+    M = x.shape[0]
+    e, rows, _ = _tile_rows(group_sizes, M, block_m)
+    x_t = _gather_tiles(x, rows)
+    y_t = jax.lax.map(lambda a: jnp.dot(a[0], w[a[1]], preferred_element_type=jnp.float32), (x_t, e))
+    y = jnp.zeros((M + 1, w.shape[2]), jnp.float32).at[rows].set(y_t)  # rows are unique but the pad row
+    return y[:M]
+
+
+def _tiled_weight_grad(x, dy, group_sizes, num_groups, block_m):
+    """float32 [E, D, F], dw[e] = x_e^T dy_e, accumulated tile by tile into its expert."""
+    e, rows, _ = _tile_rows(group_sizes, x.shape[0], block_m)
+    x_t, dy_t = _gather_tiles(x, rows), _gather_tiles(dy, rows)
+
+    def body(dw, args):
+        xi, dyi, ei = args
+        return dw.at[ei].add(jnp.dot(xi.T, dyi, preferred_element_type=jnp.float32)), None
+
+    dw0 = jnp.zeros((num_groups, x.shape[1], dy.shape[1]), jnp.float32)
+    return jax.lax.scan(body, dw0, (x_t, dy_t, e))[0]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _tiled_matmul(x, w, group_sizes, block_m):
+    return _tiled_forward(x, w, group_sizes, block_m)
+
+
+def _tiled_matmul_fwd(x, w, group_sizes, block_m):
+    return _tiled_forward(x, w, group_sizes, block_m), (x, w, group_sizes)
+
+
+def _tiled_matmul_bwd(block_m, res, dy):
+    x, w, group_sizes = res
+    dx = _tiled_forward(dy, jnp.swapaxes(w, 1, 2), group_sizes, block_m)
+    dw = _tiled_weight_grad(x, dy, group_sizes, w.shape[0], block_m)
+    return dx.astype(x.dtype), dw.astype(w.dtype), None
+
+
+_tiled_matmul.defvjp(_tiled_matmul_fwd, _tiled_matmul_bwd)
+
+# Rows per tile of the CPU engine: big enough for efficient matmuls, small enough that padding
+# every group to a multiple of it (at most E * (TILE_M - 1) extra rows) stays cheap.
+TILE_M = 128
+
+
 def _xla_matmul(x, w, group_sizes):
+    if ragged_dot_is_dense():
+        return _tiled_matmul(x, w, group_sizes, TILE_M)
     return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
 
 
 def _xla_weight_grad(x, dy, group_sizes):
     """[E, D, F] with dw[e] = x_e^T @ dy_e over the rows of group e."""
+    if ragged_dot_is_dense():
+        return _tiled_weight_grad(x, dy, group_sizes, group_sizes.shape[0], TILE_M)
     dims = jax.lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[]
     )

@@ -163,3 +163,23 @@ def test_mxfp8_error_against_exact_is_within_e4m3_rounding():
     for g, want in zip(got, oracle(x, w, gs, dy)):
         rel = np.linalg.norm(np.asarray(g) - want) / np.linalg.norm(want)
         assert 0 < rel < 0.1, rel
+
+
+@pytest.mark.parametrize("block_m", [1, 4, 16])
+def test_cpu_tiled_engine_equals_ragged_dot(block_m):
+    """The CPU engine (a loop over row tiles) equals jax.lax.ragged_dot, values and gradients,
+    with groups spanning several tiles, empty groups and rows past the last group."""
+    rng = np.random.default_rng(block_m)
+    sizes = np.array([9, 0, 1, 14, 0, 5], np.int32)  # 29 of 33 rows grouped
+    x = jnp.asarray(rng.standard_normal((33, 12)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((6, 12, 7)), jnp.float32)
+    gs = jnp.asarray(sizes)
+    dy = jnp.asarray(rng.standard_normal((33, 7)), jnp.float32)
+    ours, vjp_ours = jax.vjp(lambda a, b: mg._tiled_matmul(a, b, gs, block_m), x, w)
+    want, vjp_want = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b, gs, preferred_element_type=jnp.float32), x, w)
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(want), rtol=1e-5, atol=1e-5)
+    assert np.all(np.asarray(ours)[29:] == 0)
+    for g, h in zip(vjp_ours(dy), vjp_want(dy)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(h), rtol=1e-5, atol=1e-5)
+    dw = mg._tiled_weight_grad(x, dy, gs, 6, block_m)
+    np.testing.assert_allclose(np.asarray(dw), np.asarray(vjp_want(dy)[1]), rtol=1e-5, atol=1e-5)
