@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from experiments.cli import output_paths
 from kernels import _triton, flash, nsa, squid
 
 _LENGTHS = flags.DEFINE_list("lengths", ["1024", "2048", "4096", "8192", "16384"], "Sequence lengths T.")
@@ -254,13 +255,7 @@ def main(argv):
     for T in lengths:
         if T % shape["doc_len"] and T > shape["doc_len"]:
             raise app.UsageError(f"length {T} is not a multiple of --doc_len={shape['doc_len']}")
-    out = _OUT.value or os.path.join("results", "bench_attention_quick.json" if quick else "bench_attention.json")
-    if _PNG.value:
-        png = _PNG.value
-    elif quick or _OUT.value:
-        png = os.path.splitext(out)[0] + ".png"
-    else:
-        png = os.path.join("docs", "figures", "bench_attention.png")
+    out, png = output_paths("bench_attention", quick, _OUT.value, _PNG.value)
     dtype = jnp.dtype(_DTYPE.value)
     rows = []
     for T in lengths:

@@ -80,6 +80,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from experiments.cli import output_paths
 from kernels import _triton, moe_gemm, mxfp8
 from rlcode.models import moe
 
@@ -486,13 +487,7 @@ def main(argv):
     quant_shape = tuple(int(v) for v in sizes["quant_shape"])
     if len(quant_shape) != 2 or quant_shape[1] % mxfp8.BLOCK:
         raise app.UsageError(f"--quant_shape must be R,C with C a multiple of {mxfp8.BLOCK}, got {quant_shape}")
-    out = _OUT.value or os.path.join("results", "bench_moe_quick.json" if quick else "bench_moe.json")
-    if _PNG.value:
-        png = _PNG.value
-    elif quick or _OUT.value:
-        png = os.path.splitext(out)[0] + ".png"
-    else:
-        png = os.path.join("docs", "figures", "bench_moe.png")
+    out, png = output_paths("bench_moe", quick, _OUT.value, _PNG.value)
 
     E, k, N, D, F = sizes["E"], _TOPK.value, sizes["N"], sizes["D"], sizes["F"]
     opts = moe.MoEOptions.from_config(moe.moe_config(

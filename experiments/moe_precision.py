@@ -33,6 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from absl import app, flags
+
+from experiments.cli import output_paths
 from flax import nnx
 
 from rlcode.envs.tasks import synth
@@ -176,13 +178,7 @@ def main(argv):
     for p in _PRECISIONS.value:
         if p not in ("bf16", "mxfp8"):
             raise app.UsageError(f"--precisions: unknown precision {p!r} (bf16, mxfp8)")
-    out = _OUT.value or os.path.join("results", "moe_precision_quick.json" if quick else "moe_precision.json")
-    if _PNG.value:
-        png = _PNG.value
-    elif quick or _OUT.value:
-        png = os.path.splitext(out)[0] + ".png"
-    else:
-        png = os.path.join("docs", "figures", "moe_precision.png")
+    out, png = output_paths("moe_precision", quick, _OUT.value, _PNG.value)
     corpus = build_corpus(num_tasks, _SEED.value)
     train_b, eval_b = make_batches(corpus, steps, _BATCH.value, _SEQ.value, _SEED.value)
     print(f"corpus: {len(corpus)} bytes from {num_tasks} synthesis tasks; {steps} steps of {_BATCH.value}x{_SEQ.value}")
