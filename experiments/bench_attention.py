@@ -34,14 +34,12 @@ from __future__ import annotations
 import functools
 import json
 import os
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl import app, flags
 
+from experiments.bench_util import compile_variant, time_round_robin
 from experiments.cli import output_paths
 from kernels import _triton, flash, nsa, squid
 
@@ -130,24 +128,6 @@ def make_variant(name: str, impl: str, T: int, shape: dict, dtype) -> tuple[call
     raise ValueError(f"unknown variant {name!r}")
 
 
-def _compile(fn, args, mode):
-    if mode == "fwd":
-        jitted = jax.jit(fn)
-    else:
-        def loss(*a):
-            o = fn(*a)
-            return jnp.sum(o.astype(jnp.float32) * jnp.cos(jnp.arange(o.size, dtype=jnp.float32).reshape(o.shape)))
-
-        float_args = tuple(i for i, a in enumerate(args) if jnp.issubdtype(a.dtype, jnp.floating))
-        jitted = jax.jit(jax.value_and_grad(loss, argnums=float_args))
-    t0 = time.perf_counter()
-    compiled = jitted.lower(*args).compile()
-    compile_s = time.perf_counter() - t0
-    mem = compiled.memory_analysis()
-    temp = None if mem is None else int(mem.temp_size_in_bytes)
-    return compiled, compile_s, temp
-
-
 def _dense_bytes(B, N, T, mode):
     return B * N * T * T * 4 * (1 if mode == "fwd" else 3)
 
@@ -170,16 +150,11 @@ def bench_length(T: int, shape: dict, impls, variants, modes, dtype, repeats, ma
                     continue
                 fn, args = made
                 jax.block_until_ready(args)
-                compiled, compile_s, temp = _compile(fn, args, mode)
+                compiled, compile_s, temp = compile_variant(fn, args, mode)
                 jax.block_until_ready(compiled(*args))  # warm-up
-                entries.append((dict(row, compile_s=compile_s, temp_bytes=temp), compiled, args, []))
-    for r in range(repeats):
-        for _, compiled, args, times in entries:
-            t0 = time.perf_counter()
-            jax.block_until_ready(compiled(*args))
-            times.append(time.perf_counter() - t0)
-    for row, _, _, times in entries:
-        rows.append(dict(row, median_s=statistics.median(times), min_s=min(times), times_s=times))
+                entries.append((dict(row, compile_s=compile_s, temp_bytes=temp), compiled, args))
+    time_round_robin(entries, repeats)
+    rows += [row for row, _, _ in entries]
     # Ratios against the baseline of the same length and mode, from this run.
     for row in rows:
         if "median_s" not in row:

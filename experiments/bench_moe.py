@@ -72,14 +72,13 @@ import dataclasses
 import json
 import math
 import os
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from experiments.bench_util import compile_variant, time_round_robin
 from experiments.cli import output_paths
 from kernels import _triton, moe_gemm, mxfp8
 from rlcode.models import moe
@@ -229,29 +228,12 @@ def grouped_gemm_engine() -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def _compile(fn, args, mode, argnums):
-    if mode == "fwd":
-        jitted = jax.jit(fn)
-    else:
-        def loss(*a):
-            y = fn(*a)
-            return jnp.sum(y.astype(jnp.float32) * jnp.cos(jnp.arange(y.size, dtype=jnp.float32).reshape(y.shape)))
-
-        jitted = jax.jit(jax.value_and_grad(loss, argnums=argnums))
-    t0 = time.perf_counter()
-    compiled = jitted.lower(*args).compile()
-    compile_s = time.perf_counter() - t0
-    mem = compiled.memory_analysis()
-    temp = None if mem is None else int(mem.temp_size_in_bytes)
-    return compiled, compile_s, temp
-
-
 def run_section(specs, repeats, max_temp_bytes):
     """specs: (row, fn, args, mode, argnums). Compile, warm up, time round-robin; rows + fwd outputs."""
     rows, entries, outputs = [], [], {}
     for row, fn, args, mode, argnums in specs:
         jax.block_until_ready(args)
-        compiled, compile_s, temp = _compile(fn, args, mode, argnums)
+        compiled, compile_s, temp = compile_variant(fn, args, mode, argnums)
         row = dict(row, compile_s=compile_s, temp_bytes=temp)
         rows.append(row)
         if temp is not None and temp > max_temp_bytes:
@@ -262,15 +244,8 @@ def run_section(specs, repeats, max_temp_bytes):
             outputs[row["variant"]] = out
         else:
             del out
-        entries.append((row, compiled, args, []))
-    for _ in range(repeats):
-        for _, compiled, args, times in entries:
-            t0 = time.perf_counter()
-            out = jax.block_until_ready(compiled(*args))
-            times.append(time.perf_counter() - t0)
-            del out
-    for row, _, _, times in entries:
-        row.update(median_s=statistics.median(times), min_s=min(times), times_s=times)
+        entries.append((row, compiled, args))
+    time_round_robin(entries, repeats)
     return rows, outputs
 
 
