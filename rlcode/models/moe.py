@@ -16,8 +16,8 @@ Router (float32, REFERENCE section 9: routers stay in high precision), logits z 
   `renormalize`).
 * "sigmoid" with aux-loss-free balancing (DeepSeek-V3, 2024): s = sigmoid(z); selection on s + b,
   gate = s normalised over the selected (always). b [E] is not trained: it is a `RouterBias`
-  variable that `update_router_bias` moves after each step, b_i <- b_i - gamma *
-  sign(load_i - mean load), gamma = bias_update_rate.
+  variable that the train step moves after each step (`rebalance_routers`, each layer by its own
+  load), b_i <- b_i - gamma * sign(load_i - mean load), gamma = bias_update_rate.
 
 Auxiliary outputs (the `aux` dict, which the model sums over layers):
 
@@ -159,7 +159,8 @@ def capacity(num_tokens: int, opts: MoEOptions) -> int:
 class RouterBias(nnx.Variable):
     """The selection bias b [E] of the sigmoid router (DeepSeek-V3): state, not a trained param.
 
-    It receives no gradient (it only shifts the top-k selection); `update_router_bias` moves it."""
+    It receives no gradient (it only shifts the top-k selection); the train step moves it
+    (`rebalance_routers`), and `update_router_bias` does the same outside a train step."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -448,11 +449,11 @@ def _load_for(load: Any, path: tuple) -> jax.Array:
 
 
 def update_router_bias(model_or_params: Any, load: Any, rate: float | None = None) -> Any:
-    """Move every sigmoid router's selection bias against its load (after a train step).
+    """Move every sigmoid router's selection bias against its load, outside a train step (the
+    train step itself uses `rebalance_routers`).
 
-    model_or_params: an nnx model (updated in place and returned), a pure-dict parameter tree
-    such as `TrainState.params` (a new tree is returned), or a `TrainState` (returned with new
-    params). load: expert load fractions [E] (the "moe_load" aux entry) applied to every router,
+    model_or_params: an nnx model (updated in place and returned) or a pure-dict parameter tree
+    such as `TrainState.params` (a new tree is returned). load: expert load fractions [E] (the "moe_load" aux entry) applied to every router,
     or a mapping from a layer's path (tuple of keys to the MoE module) to its [E] load. The model's
     aux sums "moe_load" over layers, so a single [E] load balances the layer-summed load; pass
     per-layer loads for the exact per-layer rule. rate: gamma; defaults to each layer's
@@ -464,8 +465,6 @@ def update_router_bias(model_or_params: Any, load: Any, rate: float | None = Non
                 gamma = node.opts.bias_update_rate if rate is None else rate
                 node.router_bias[...] = router_bias_update(node.router_bias[...], _load_for(load, tuple(path)), gamma)
         return model_or_params
-    if hasattr(model_or_params, "params") and hasattr(model_or_params, "_replace"):
-        return model_or_params._replace(params=update_router_bias(model_or_params.params, load, rate))
     if rate is None:
         raise ValueError("update_router_bias on a parameter tree needs the rate (gamma)")
 
