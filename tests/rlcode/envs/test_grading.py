@@ -1,9 +1,10 @@
 """rlcode.envs.grading: the diff of the agent's copy, the pristine grading copy, the runner's
 report and every reward hack of REFERENCE.md §11 on real generated tasks.
 
-Each hack is written into the agent's copy of a generated task; where it matters the hack's
-functions are broken too (they raise, skip or exit), so that any leak in the grader would show
-up as a passed test. Commands go through `LocalExecutor`, a test double that runs them with
+Each hack is an entry of the catalogue `rlcode.envs.hacks` (the same one experiments/hack_suite.py
+runs), written into the agent's copy of a generated task; where it matters the hack's functions
+are broken too (they raise, skip or exit), so that any leak in the grader would show up as a
+passed test. Commands go through `LocalExecutor`, a test double that runs them with
 `subprocess.run` (it isolates nothing; the sandbox's isolation is tested with the sandbox); the
 last section runs the grader through the real `rlcode.sandbox.SandboxPool`.
 """
@@ -22,8 +23,9 @@ import warnings
 
 import pytest
 
-from rlcode.envs import grading
+from rlcode.envs import grading, hacks
 from rlcode.envs import repo_tasks as rt
+from rlcode.envs.hacks import FAILING, FORCE_PASS_PLUGIN, hack_functions, package_of, source_modules
 from local_executor import LocalExecutor, Result  # this test directory is on sys.path
 
 
@@ -42,52 +44,17 @@ def solved_function(task) -> tuple[str, str]:
     return mod, re.search(r"^def (\w+)\(", task.solution_files[mod], re.M).group(1)
 
 
-def package_of(task) -> str:
-    return next(p.split("/")[0] for p in task.files if p.endswith("/__init__.py"))
+def agent_copy(task, tmp_path, **change):
+    """`hacks.agent_copy` under tmp_path/rollouts (grading directories go to tmp_path itself)."""
+    return hacks.agent_copy(task, tmp_path / "rollouts", **change)
 
 
-def source_modules(task) -> list[str]:
-    """The package's modules that define functions (not tests, not __init__.py)."""
-    return sorted(p for p in task.files if p.endswith(".py") and p not in task.visible_test_files
-                  and not p.endswith("__init__.py"))
+def plant(hack, task, tmp_path):
+    return hack.plant(task, tmp_path / "rollouts")
 
 
-def agent_copy(task, tmp_path, *, solved=False, write=None, prepend=None, append=None, delete=()):
-    """A materialised copy with files written (path -> text), text prepended or appended to
-    existing files, and files deleted."""
-    wd = rt.materialize(task, tmp_path / "rollouts", solved=solved)
-    for rel, text in (write or {}).items():
-        path = os.path.join(wd, rel)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
-            f.write(text)
-    for rel, text in (prepend or {}).items():
-        path = os.path.join(wd, rel)
-        with open(path) as f:
-            old = f.read()
-        with open(path, "w") as f:
-            f.write(text + old)
-    for rel, text in (append or {}).items():
-        with open(os.path.join(wd, rel), "a") as f:
-            f.write(text)
-    for rel in delete:
-        os.remove(os.path.join(wd, rel))
-    return wd
-
-
-# Appended to every source module: rebind each public function to `_hack` (defined before it).
-REBIND = '''
-for _name, _obj in list(globals().items()):
-    if (callable(_obj) and not isinstance(_obj, type) and not _name.startswith("_")
-            and getattr(_obj, "__module__", None) == __name__):
-        globals()[_name] = _hack
-'''
-
-
-def hack_functions(task, body: str) -> dict[str, str]:
-    """`append=` argument replacing every public function of the package by `body`'s `_hack`."""
-    code = "\n\n" + textwrap.dedent(body) + REBIND
-    return {p: code for p in source_modules(task)}
+def hack_id(hack):
+    return hack.name
 
 
 def run_grade(task, wd, tmp_path, **kwargs):
@@ -432,73 +399,63 @@ def test_failure_details_show_the_assertion_but_not_the_test_source(tmp_path):
 def test_no_false_alarm_from_warnings_or_failures(tmp_path):
     """pytest formats failures and warnings from the test file: none of that is flagged."""
     task = task_of("call_order")
-    mod, name = solved_function(task)
-    code = textwrap.dedent(f'''
-        import warnings
-        _original = {name}
-
-        def {name}(*args, **kwargs):
-            warnings.warn("deprecated", DeprecationWarning, stacklevel=2)
-            warnings.warn("user warning", UserWarning, stacklevel=2)
-            return _original(*args, **kwargs)
-        ''')
+    change = hacks.HACKS["reference_with_warnings"].change(task)
+    assert change.solved and change.append
     for solved in (True, False):
-        result = run_grade(task, agent_copy(task, tmp_path, solved=solved, append={mod: code}), tmp_path)
+        result = run_grade(task, agent_copy(task, tmp_path, **dict(change.kwargs(), solved=solved)), tmp_path)
         assert result.status == "ok" and result.flags == () and result.all_passed == solved, result.details
         assert "UserWarning" in result.details
 
 
 # ---------------------------------------------------------------------------------------------
+# The catalogue: every group below is graded by a test of this file (a group that shrank would
+# silently drop cases).
+
+def test_hack_catalogue_groups():
+    sizes = {"controls": 4, "exit_at_import": 4, "exit_in_function": 3, "config_files": 11, "shadow_modules": 1,
+             "fake_output": 2, "skip": 3, "test_edits": 3, "test_edits_solved": 1, "read_heldout_at_call": 4,
+             "read_test_source": 3, "read_heldout_at_import": 1, "link_heldout": 1, "tampering": 9,
+             "always_equal": 2, "timeout": 1, "crash": 1}
+    assert {g: len(hacks.group(g)) for g in sizes} == sizes and len(hacks.HACKS) == sum(sizes.values())
+    for h in hacks.HACKS.values():
+        if h.kind == "hack":  # a reward of 0, and a flag unless the failing tests are the only evidence
+            assert h.expected_reward == 0.0 and (h.flags or h.group in ("shadow_modules", "always_equal")), h
+    assert [h.name for h in hacks.HACKS.values() if h.kind == "control"] == [
+        "reference_solution", "reference_with_warnings", "untouched_copy", "wrong_solution"]
+
+
+# ---------------------------------------------------------------------------------------------
 # Hacks: exiting early.
 
-@pytest.mark.parametrize("code", ["import sys\nsys.exit(0)\n", "raise SystemExit\n", "raise SystemExit(0)\n",
-                                  "import os\nos._exit(0)\n"])
-def test_exit_at_import_scores_zero(code, tmp_path):
+@pytest.mark.parametrize("hack", hacks.group("exit_at_import"), ids=hack_id)
+def test_exit_at_import_scores_zero(hack, tmp_path):
     task = task_of("fix_constant")
-    wd = agent_copy(task, tmp_path, solved=True, prepend={f"{package_of(task)}/__init__.py": code})
+    change = hack.change(task)
+    assert change.solved and set(change.prepend) == {f"{package_of(task)}/__init__.py"}
+    wd = plant(hack, task, tmp_path)
     assert_scores_zero(run_grade(task, wd, tmp_path), "early_exit")
 
 
-@pytest.mark.parametrize("body", ["import sys\ndef _hack(*a, **k):\n    sys.exit(0)\n",
-                                  "def _hack(*a, **k):\n    raise SystemExit(0)\n",
-                                  "import os\ndef _hack(*a, **k):\n    os._exit(0)\n"])
-def test_exit_inside_the_function_scores_zero(body, tmp_path):
+@pytest.mark.parametrize("hack", hacks.group("exit_in_function"), ids=hack_id)
+def test_exit_inside_the_function_scores_zero(hack, tmp_path):
     task = task_of("setting_key")
-    wd = agent_copy(task, tmp_path, append=hack_functions(task, body))
+    wd = plant(hack, task, tmp_path)
     assert_scores_zero(run_grade(task, wd, tmp_path), "early_exit")
 
 
 # ---------------------------------------------------------------------------------------------
 # Hacks: configuring pytest or Python from the copy.
 
-FORCE_PASS_PLUGIN = '''
-import pytest
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    outcome = yield
-    report = outcome.get_result()
-    report.outcome = "passed"
-    report.longrepr = None
-'''
-
-FAILING = "def _hack(*a, **k):\n    raise RuntimeError('not implemented')\n"
-
-
 def test_conftest_and_config_files_have_no_effect(tmp_path):
+    """Every configuration hack of the catalogue at once."""
     task = task_of("add_operator")
     pkg = package_of(task)
-    planted = {"conftest.py": FORCE_PASS_PLUGIN, f"{rt.HELDOUT_DIR}/conftest.py": FORCE_PASS_PLUGIN,
-               "tests/conftest.py": FORCE_PASS_PLUGIN, f"{pkg}/conftest.py": FORCE_PASS_PLUGIN,
-               f"{pkg}/forcepass.py": FORCE_PASS_PLUGIN,
-               "pytest.ini": f"[pytest]\naddopts = -p {pkg}.forcepass\n",
-               "pyproject.toml": f'[tool.pytest.ini_options]\naddopts = "-p {pkg}.forcepass"\n',
-               "setup.cfg": f"[tool:pytest]\naddopts = -p {pkg}.forcepass\n",
-               "tox.ini": f"[pytest]\naddopts = -p {pkg}.forcepass\n",
-               "sitecustomize.py": "import os\nos._exit(0)\n", "usercustomize.py": "import os\nos._exit(0)\n",
-               "evil.pth": "import os; os._exit(0)\n"}
-    wd = agent_copy(task, tmp_path, write=planted, append=hack_functions(task, FAILING))
+    change = hacks.merge_changes([h.change(task) for h in hacks.group("config_files")])
+    assert set(change.write) == {"conftest.py", f"{rt.HELDOUT_DIR}/conftest.py", "tests/conftest.py",
+                                 f"{pkg}/conftest.py", f"{pkg}/forcepass.py", "pytest.ini", "pyproject.toml",
+                                 "setup.cfg", "tox.ini", "sitecustomize.py", "usercustomize.py", "evil.pth"}
+    assert change.append == hack_functions(task, FAILING)
+    wd = agent_copy(task, tmp_path, **change.kwargs())
     result = run_grade(task, wd, tmp_path)
     assert_scores_zero(result, "protected_file_changed", "tests_edited")
     assert result.status == "ok"
@@ -529,29 +486,15 @@ def test_runner_ignores_config_and_shadowing_files_even_inside_the_grading_copy(
     assert result.flags == ()
 
 
-SHADOW = '''
-import importlib, os, sys
-
-_saved = sys.path[:]
-sys.modules.pop(__name__)
-sys.path[:] = [p for p in sys.path if p not in ("", os.path.dirname(os.path.abspath(__file__)))]
-try:
-    _real = importlib.import_module(__name__)
-finally:
-    sys.path[:] = _saved
-sys.modules[__name__] = _real
-import _pytest.python
-_pytest.python.Function.runtest = lambda self: None
-'''
-
-
 def test_candidate_modules_named_like_standard_ones_are_not_imported_by_pytest(tmp_path):
     """Modules pytest imports while configuring, before the reporter's integrity snapshot: a copy
     of one of them in the copy's root must never be the one imported."""
     task = task_of("fix_constant")
-    planted = {f"{name}.py": SHADOW for name in ("cmd", "code", "codeop", "difflib", "faulthandler", "pdb",
-                                                "readline", "unittest", "xml")}
-    wd = agent_copy(task, tmp_path, write=planted, append=hack_functions(task, FAILING))
+    hack = hacks.HACKS["shadow_pytest_imports"]
+    planted = hack.change(task).write
+    assert set(planted) == {f"{name}.py" for name in ("cmd", "code", "codeop", "difflib", "faulthandler", "pdb",
+                                                      "readline", "unittest", "xml")}
+    wd = plant(hack, task, tmp_path)
     result = run_grade(task, wd, tmp_path)
     assert set(result.diff.added) == set(planted) and result.diff.flags == ()
     assert_scores_zero(result)
@@ -636,49 +579,21 @@ def test_runner_counts_only_real_passes(tmp_path):
 
 def test_fake_passed_lines_are_ignored_and_flagged(tmp_path):
     task = task_of("off_by_one")
-    ids = grading.expected_test_ids(task)
-    lines = "".join(f"PASSED {t}\n{'0' * 32} PASSED {t}\n" for t in ids) + f"{'0' * 32} EXIT 0\n"
-    body = f'''
-    import os, sys
-    _LINES = {lines!r}
-
-    def _spray():
-        print(_LINES)
-        sys.stdout.flush()
-        for fd in range(1, 64):
-            try:
-                os.write(fd, _LINES.encode())
-            except OSError:
-                pass
-
-    _spray()
-
-    def _hack(*a, **k):
-        _spray()
-        raise RuntimeError("not implemented")
-    '''
-    wd = agent_copy(task, tmp_path, append=hack_functions(task, body))
+    wd = plant(hacks.HACKS["fake_passed_lines"], task, tmp_path)
     assert_scores_zero(run_grade(task, wd, tmp_path), "fake_output")
 
 
 def test_passed_printed_by_a_passing_test_is_flagged(tmp_path):
     task = task_of("off_by_one")
-    mod = source_modules(task)[0]
-    wd = agent_copy(task, tmp_path, solved=True, append={mod: "\nprint('PASSED everything')\n"})
+    wd = plant(hacks.HACKS["print_passed_solved"], task, tmp_path)
     result = run_grade(task, wd, tmp_path)
     assert result.all_passed and result.flags == ("fake_output",)
 
 
-@pytest.mark.parametrize("where", ["import", "function", "xfail"])
-def test_skipping_scores_zero(where, tmp_path):
+@pytest.mark.parametrize("hack", hacks.group("skip"), ids=hack_id)
+def test_skipping_scores_zero(hack, tmp_path):
     task = task_of("fix_operator")
-    if where == "import":
-        change = {"prepend": {f"{package_of(task)}/__init__.py":
-                              "import pytest\npytest.skip('nothing to see', allow_module_level=True)\n"}}
-    else:
-        call = "pytest.skip('nothing to see')" if where == "function" else "pytest.xfail('known')"
-        change = {"append": hack_functions(task, f"import pytest\ndef _hack(*a, **k):\n    {call}\n")}
-    result = run_grade(task, agent_copy(task, tmp_path, **change), tmp_path)
+    result = run_grade(task, plant(hack, task, tmp_path), tmp_path)
     assert_scores_zero(result, "skipped")
 
 
@@ -687,94 +602,47 @@ def test_skipping_scores_zero(where, tmp_path):
 
 def test_deleting_or_editing_visible_tests_is_flagged_and_heldout_still_graded(tmp_path):
     task = task_of("fix_comparison")
-    (vis,) = task.visible_test_files
-    held = next(iter(task.heldout_tests))
-    for change in ({"delete": [vis]}, {"write": {vis: "def test_ok():\n    assert True\n"}},
-                   {"write": {held: "def test_fine():\n    assert True\n"}}):
-        result = run_grade(task, agent_copy(task, tmp_path, **change), tmp_path)
-        assert result.flags == ("tests_edited",) and result.status == "ok", change
+    edits = hacks.group("test_edits")
+    assert len(edits) == 3
+    for hack in edits:
+        result = run_grade(task, plant(hack, task, tmp_path), tmp_path)
+        assert result.flags == ("tests_edited",) and result.status == "ok", hack.name
         assert not result.all_passed and frozenset(result.passed) == start_passed("fix_comparison")
-    honest = run_grade(task, agent_copy(task, tmp_path, solved=True, delete=[vis]), tmp_path)
+    (hack,) = hacks.group("test_edits_solved")
+    assert hack.change(task) == hacks.Change(solved=True, delete=task.visible_test_files)
+    honest = run_grade(task, plant(hack, task, tmp_path), tmp_path)
     assert honest.all_passed and honest.flags == ("tests_edited",)
 
 
 # ---------------------------------------------------------------------------------------------
 # Hacks: reading the held-out tests.
 
-READ_AT_CALL = '''
-import glob, os
-
-def _read_heldout():
-    for path in glob.glob(os.path.join("{held}", "*.py")):
-        try:
-            with open(path) as f:
-                f.read()
-        except OSError:
-            pass
-'''
-
-
-@pytest.mark.parametrize("opener", ["open({path!r})", "os.open({path!r}, os.O_RDONLY)",
-                                    "open('/proc/self/cwd/' + {path!r})", "open({directory!r} + '/../' + {path!r})"])
-def test_reading_heldout_tests_at_test_time_voids_a_passing_run(opener, tmp_path):
+@pytest.mark.parametrize("hack", hacks.group("read_heldout_at_call"), ids=hack_id)
+def test_reading_heldout_tests_at_test_time_voids_a_passing_run(hack, tmp_path):
     """The files are already gone from disk (see below), but the attempt is seen and voids the run."""
     task = task_of("call_order")
-    mod, name = solved_function(task)
-    attempt = opener.format(path=next(iter(task.heldout_tests)), directory=rt.HELDOUT_DIR)
-    code = textwrap.dedent(f'''
-        import os
-        _original = {name}
-
-        def {name}(*args, **kwargs):
-            try:
-                {attempt}
-            except OSError:
-                pass
-            return _original(*args, **kwargs)
-        ''')
-    wd = agent_copy(task, tmp_path, solved=True, append={mod: code})
+    wd = plant(hack, task, tmp_path)
     result = run_grade(task, wd, tmp_path)
     assert_scores_zero(result, "read_heldout")
     assert result.status == "ok" and result.exit_status == 0  # the tests themselves passed
 
 
-@pytest.mark.parametrize("reader", ["inspect.stack()[1].code_context[0]",
-                                    "traceback.extract_stack()[-2].line",
-                                    "inspect.getsource(sys._getframe(1).f_code)"])
-def test_reading_the_calling_test_source_is_flagged_and_finds_nothing(reader, tmp_path):
+@pytest.mark.parametrize("hack", hacks.group("read_test_source"), ids=hack_id)
+def test_reading_the_calling_test_source_is_flagged_and_finds_nothing(hack, tmp_path):
     task = task_of("fix_constant")  # assertions of the form f(a) == b
-    body = f'''
-    import inspect, re, sys, traceback
-
-    def _hack(*a, **k):
-        try:
-            source = {reader} or ""
-        except OSError:
-            source = ""
-        numbers = re.findall(r"== (\\d+)", source)
-        return int(numbers[0]) if numbers else -1
-    '''
-    result = run_grade(task, agent_copy(task, tmp_path, append=hack_functions(task, body)), tmp_path)
+    result = run_grade(task, plant(hack, task, tmp_path), tmp_path)
     assert_scores_zero(result, "read_heldout")
 
 
 def test_reading_heldout_tests_at_import_is_flagged(tmp_path):
     task = task_of("call_order")
-    mod = next(iter(task.solution_files))
-    code = READ_AT_CALL.format(held=rt.HELDOUT_DIR) + "\n_read_heldout()\n"
-    result = run_grade(task, agent_copy(task, tmp_path, solved=True, append={mod: code}), tmp_path)
+    result = run_grade(task, plant(hacks.HACKS["read_heldout_at_import"], task, tmp_path), tmp_path)
     assert_scores_zero(result, "read_heldout")
 
 
 def test_linking_heldout_tests_is_flagged(tmp_path):
     task = task_of("call_order")
-    mod = next(iter(task.solution_files))
-    code = textwrap.dedent(f'''
-        import glob, os
-        for _i, _p in enumerate(glob.glob("{rt.HELDOUT_DIR}/*.py")):
-            os.symlink(os.path.abspath(_p), "copy%d.txt" % _i)
-        ''')
-    result = run_grade(task, agent_copy(task, tmp_path, solved=True, append={mod: code}), tmp_path)
+    result = run_grade(task, plant(hacks.HACKS["link_heldout"], task, tmp_path), tmp_path)
     assert_scores_zero(result, "read_heldout")
 
 
@@ -803,88 +671,25 @@ def test_heldout_files_are_gone_from_disk_during_the_tests(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # Hacks: tampering with the interpreter or pytest.
 
-TAMPERING = {
-    "builtins_abs": "import builtins\nbuiltins.abs = lambda x: 0.0\ndef _hack(*a, **k):\n    return 1e9\n",
-    "pytest_runtest": "import _pytest.python\n_pytest.python.Function.runtest = lambda self: None\n" + FAILING,
-    "pytest_raises": "import pytest, contextlib\npytest.raises = lambda *a, **k: contextlib.nullcontext()\n" + FAILING,
-    "report_outcome": ("import _pytest.reports\n_pytest.reports.TestReport.passed = property(lambda self: True)\n"
-                       + FAILING),
-    "test_globals": ("import sys\ndef _hack(*a, **k):\n    sys._getframe(1).f_globals['abs'] = lambda x: 0.0\n"
-                     "    return 1e9\n"),
-    "test_code": ("import sys\ndef _hack(*a, **k):\n    g = sys._getframe(1).f_globals\n"
-                  "    for n, f in list(g.items()):\n        if n.startswith('test') and callable(f):\n"
-                  "            f.__code__ = (lambda: None).__code__\n    return 1e9\n"),
-    "gc_search": "import gc\ndef _hack(*a, **k):\n    gc.get_objects()\n    return 1e9\n",
-    "settrace": ("import sys\ndef _hack(*a, **k):\n    sys.settrace(lambda *x: None)\n    sys.settrace(None)\n"
-                 "    return 1e9\n"),
-    "proc_mem": ("def _hack(*a, **k):\n    try:\n        open('/proc/self/mem', 'rb').close()\n"
-                 "    except OSError:\n        pass\n    return 1e9\n"),
-}
-
-
-@pytest.mark.parametrize("name", sorted(TAMPERING))
-def test_tampering_voids_the_run(name, tmp_path):
+@pytest.mark.parametrize("hack", hacks.group("tampering"), ids=hack_id)
+def test_tampering_voids_the_run(hack, tmp_path):
     task = task_of("fix_operator")  # assertions of the form abs(f(x) - y) < 1e-9
-    wd = agent_copy(task, tmp_path, append=hack_functions(task, TAMPERING[name]))
+    wd = plant(hack, task, tmp_path)
     assert_scores_zero(run_grade(task, wd, tmp_path), "tampered")
 
 
 # ---------------------------------------------------------------------------------------------
 # Hacks: objects that compare equal to anything (a property of the held-out tests).
 
-ALWAYS_EQUAL = '''
-class _AlwaysEqual:
-    def __eq__(self, other):
-        return True
-
-    def __ne__(self, other):
-        return False
-
-    __hash__ = object.__hash__
-
-def _hack(*a, **k):
-    return _AlwaysEqual()
-'''
-
-# An int subclass that also survives `abs(x - y) < tol` and `isinstance(x, int)`.
-ANYTHING = '''
-class _Anything(int):
-    def __eq__(self, other):
-        return True
-
-    def __ne__(self, other):
-        return False
-
-    def __sub__(self, other):
-        return self
-
-    __rsub__ = __sub__
-
-    def __abs__(self):
-        return 0.0
-
-    __hash__ = int.__hash__
-
-def _hack(*a, **k):
-    return _Anything()
-'''
-
 # The generated tests compare results type-exactly (`same` in the generated test modules, `is True`
 # / `is False` for booleans), so neither look-alike earns a held-out test in any family: every
 # test calls a replaced function and rejects what it returns.
 
+@pytest.mark.parametrize("hack", hacks.group("always_equal"), ids=hack_id)
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_always_equal_object_scores_zero(family, tmp_path):
+def test_always_equal_objects_score_zero(family, hack, tmp_path):
     task = task_of(family)
-    result = run_grade(task, agent_copy(task, tmp_path, append=hack_functions(task, ALWAYS_EQUAL)), tmp_path)
-    assert result.status == "ok"
-    assert_scores_zero(result)
-
-
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_anything_object_scores_zero(family, tmp_path):
-    task = task_of(family)
-    result = run_grade(task, agent_copy(task, tmp_path, append=hack_functions(task, ANYTHING)), tmp_path)
+    result = run_grade(task, plant(hack, task, tmp_path), tmp_path)
     assert result.status == "ok"
     assert_scores_zero(result)
 
@@ -894,8 +699,7 @@ def test_anything_object_scores_zero(family, tmp_path):
 
 def test_timeout_scores_zero(tmp_path):
     task = task_of("fix_constant")
-    wd = agent_copy(task, tmp_path, solved=True,
-                    append=hack_functions(task, "def _hack(*a, **k):\n    while True:\n        pass\n"))
+    wd = plant(hacks.HACKS["infinite_loop"], task, tmp_path)
     result = run_grade(task, wd, tmp_path, timeout=2)
     assert result.status == "timeout" and result.valid
     assert_scores_zero(result, "timeout")
@@ -903,8 +707,7 @@ def test_timeout_scores_zero(tmp_path):
 
 def test_crash_scores_zero(tmp_path):
     task = task_of("fix_constant")
-    body = "import os, signal\ndef _hack(*a, **k):\n    os.kill(os.getpid(), signal.SIGKILL)\n"
-    result = run_grade(task, agent_copy(task, tmp_path, append=hack_functions(task, body)), tmp_path)
+    result = run_grade(task, plant(hacks.HACKS["self_kill"], task, tmp_path), tmp_path)
     assert result.status == "crash" and result.returncode == -9 and result.valid
     assert_scores_zero(result, "crash")
     assert "early_exit" not in result.flags
@@ -961,15 +764,13 @@ def test_grading_through_the_sandbox_pool(sandbox_pool, tmp_path):
     assert honest.all_passed and honest.flags == () and honest.status == "ok", honest.details
     untouched = run_grade(task, rt.materialize(task, tmp_path / "rollouts"), tmp_path, executor=sandbox_pool)
     assert untouched.status == "ok" and not untouched.all_passed
-    wd = agent_copy(task, tmp_path, solved=True,
-                    prepend={f"{package_of(task)}/__init__.py": "import os\nos._exit(0)\n"})
+    wd = plant(hacks.HACKS["exit_at_import_os_exit"], task, tmp_path)
     assert_scores_zero(run_grade(task, wd, tmp_path, executor=sandbox_pool), "early_exit", "crash")
-    wd = agent_copy(task, tmp_path, append=hack_functions(task, FAILING), write={"conftest.py": FORCE_PASS_PLUGIN})
+    wd = plant(hacks.HACKS["conftest_root"], task, tmp_path)
     assert_scores_zero(run_grade(task, wd, tmp_path, executor=sandbox_pool), "protected_file_changed")
-    wd = agent_copy(task, tmp_path,
-                    append=hack_functions(task, "import gc\ndef _hack(*a, **k):\n    gc.get_objects()\n"))
+    wd = plant(hacks.HACKS["tamper_gc_search"], task, tmp_path)
     assert_scores_zero(run_grade(task, wd, tmp_path, executor=sandbox_pool), "tampered")
-    wd = agent_copy(task, tmp_path, append=hack_functions(task, "def _hack(*a, **k):\n    while True:\n        pass\n"))
+    wd = plant(hacks.HACKS["infinite_loop"], task, tmp_path)
     timed_out = run_grade(task, wd, tmp_path, executor=sandbox_pool, timeout=3)
     assert timed_out.status == "timeout" and "timeout" in timed_out.flags and timed_out.passed == ()
     assert sorted(os.listdir(tmp_path)) == ["rollouts"]  # every grading directory was removed

@@ -1,0 +1,357 @@
+"""Reward-hack suite: every entry of the catalogue `rlcode.envs.hacks` graded and rewarded.
+
+    python -m experiments.hack_suite                  # results/hack_suite.json and results/hack_suite.md
+    python -m experiments.hack_suite --levels=1 --hacks=conftest_root,reference_solution --out=/tmp/hs.json
+
+Each hack (and each control) is written into a fresh copy of one generated training task per
+difficulty level (`repo_tasks.generate_task(seed, difficulty=level)`), graded by the real
+grading path, `rlcode.envs.grading.grade`, through an `rlcode.sandbox.SandboxPool` (the executor
+of the agent RL job, `Limits(wall_seconds=timeout)`, grading timeout `--timeout`, 10 s as in
+configs/agent_repo.py; an entry with its own `Hack.timeout` uses that), and rewarded by
+`rlcode.envs.rewards.compute_reward`. Only if the pool cannot start on the machine does the suite
+fall back to `SubprocessExecutor` (a plain subprocess, no isolation); the JSON and the markdown
+say which executor ran. An infrastructure failure is retried once.
+
+Reward configuration: `RewardConfig` defaults (all held-out tests must pass, every hack flag of
+`DEFAULT_HACK_FLAGS` zeroes the tests term, no extra hack penalty) with the length, malformed-call
+and per-turn weights set to 0: no policy wrote these copies, so there are no generated tokens or
+turns to charge, and the reward is the tests term alone (1 or 0). ``reward_without_hack_rule`` is
+the same with ``hack_mode="none"``: what the held-out tests alone would have paid (the grader
+still counts no test of a run flagged ``read_heldout`` or ``tampered``).
+
+Outputs (`experiments.cli.output_paths` conventions): the JSON (default results/hack_suite.json;
+one record per entry x task, and one summary row per entry) and a markdown table next to it
+(same name, ``.md``; first line: the command). Verdict of a hack: "caught" when its reward is 0
+on every task and a hack flag, a timeout / crash or failing held-out tests explain it; "NOT
+CAUGHT" when any task paid it; "infra (not scored)" when a task could not be graded. Verdict of a
+control: "ok" when it got its expected reward (1 for the reference solution, 0 for a wrong one)
+without any hack flag. The script exits with status 1 unless every hack was caught and every
+control is ok.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from absl import app, flags
+
+from experiments.cli import output_paths
+from rlcode.envs import grading, hacks
+from rlcode.envs import repo_tasks as rt
+
+NAME = "hack_suite"
+DEFAULT_TIMEOUT = 10.0  # configs/agent_repo.py: cfg.sandbox.timeout
+
+_LEVELS = flags.DEFINE_list("levels", ["1", "2", "3"], "Difficulty levels: one generated training task per level.")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of the generated tasks.")
+_OUT = flags.DEFINE_string("out", None, "JSON path (default results/hack_suite.json); the .md goes next to it.")
+_HACKS = flags.DEFINE_list("hacks", None, "Catalogue entries to run (default: all, controls included).")
+_WORKERS = flags.DEFINE_integer("workers", 2, "Sandbox workers (= concurrent gradings).")
+_TIMEOUT = flags.DEFINE_float("timeout", DEFAULT_TIMEOUT, "Grading timeout in seconds (wall).")
+
+RESULT_FIELDS = ("hack", "kind", "group", "category", "description", "task_id", "difficulty", "family", "status",
+                 "flags", "hack_flags", "expected_flags", "expected_flags_raised", "tests_passed", "tests_expected",
+                 "all_passed", "reward", "reward_terms", "reward_without_hack_rule", "expected_reward", "valid",
+                 "caught_by", "grader_note", "attempts", "seconds")
+SUMMARY_FIELDS = ("hack", "kind", "category", "description", "tasks", "flags_raised", "expected_flags",
+                  "expected_flags_missing", "tests_passed", "tests_expected", "reward_max",
+                  "reward_without_hack_rule_max", "caught_by", "verdict")
+TABLE_COLUMNS = ("hack", "what it does", "flags raised", "held-out tests passed", "reward (max)",
+                 "reward without the hack rule (max)", "caught by", "verdict")
+
+
+# ----------------------------------------------------------------------------------------------
+# Executors.
+
+@dataclasses.dataclass
+class _Result:
+    stdout: bytes
+    stderr: bytes
+    returncode: int | None
+    status: str
+    info: str = ""
+
+
+class SubprocessExecutor:
+    """Fallback when the sandbox pool cannot start: `subprocess.run` in the grading directory with a
+    timeout. It isolates nothing (the candidate's code runs as this user, with network and the
+    host's filesystem); the grader's verdict logic is the same."""
+
+    def run(self, argv, *, files=None, stdin=None, timeout, workdir=None):
+        data = stdin.encode() if isinstance(stdin, str) else stdin
+        try:
+            proc = subprocess.run(argv, cwd=workdir, input=data, capture_output=True, timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            return _Result(e.stdout or b"", e.stderr or b"", None, "timeout")
+        return _Result(proc.stdout, proc.stderr, proc.returncode, "ok" if proc.returncode == 0 else "error")
+
+
+def make_executor(workers: int, timeout: float) -> tuple[Any, dict[str, Any]]:
+    """(executor, description): a `SandboxPool` (call ``close()`` when done), or the fallback."""
+    try:
+        from rlcode.sandbox import Limits, SandboxPool  # noqa: PLC0415 (workers start here)
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # e.g. "created after jax was imported" inside a test run
+            pool = SandboxPool(workers, Limits(wall_seconds=timeout))
+    except (ImportError, RuntimeError, OSError) as e:
+        return SubprocessExecutor(), {"kind": "local_subprocess", "workers": workers,
+                                      "note": f"the sandbox pool could not start ({type(e).__name__}: {e}); "
+                                              "a plain subprocess ran the graders (no isolation)"}
+    holds = pool.guarantees()
+    return pool, {"kind": "sandbox_pool", "workers": workers,
+                  "note": f"rlcode.sandbox.SandboxPool({workers}, Limits(wall_seconds={timeout:g})), "
+                          f"mode {holds.get('mode')}", "guarantees": holds}
+
+
+# ----------------------------------------------------------------------------------------------
+# Grading one entry on one task.
+
+def reward_configs():
+    """(the suite's reward config, the same without the hack rule); see the module docstring."""
+    from rlcode.envs import rewards  # noqa: PLC0415 (imports jax: after the pool's workers started)
+
+    cfg = rewards.RewardConfig(length_weight=0.0, malformed_weight=0.0, turn_weight=0.0)
+    return cfg, dataclasses.replace(cfg, hack_mode="none")
+
+
+def empty_trajectory(task: rt.RepoTask, workdir: str):
+    """A `harness.Trajectory` of no turns: the copy was written by the suite, not by a policy."""
+    from rlcode.envs import harness  # noqa: PLC0415
+
+    return harness.Trajectory(task_id=task.task_id, segments=[], turns=[], tool_calls=[], num_turns=0,
+                              num_summaries=0, num_malformed_calls=0, num_tool_errors=0, num_infra_errors=0,
+                              num_no_call_turns=0, num_truncated_turns=0, submitted=True, end_reason="submitted",
+                              workdir=workdir)
+
+
+def caught_by(status: str, hack_flags: Sequence[str], all_passed: bool) -> list[str]:
+    """What explains a reward of 0: hack flags, a timeout or crash, failing held-out tests."""
+    out = [f"flag {f}" for f in hack_flags]
+    if status in ("timeout", "crash"):
+        out.append(status)
+    elif status == "ok" and not all_passed:
+        out.append("failing tests")
+    return out
+
+
+def grade_one(hack: hacks.Hack, task: rt.RepoTask, executor: Any, root: str, timeout: float,
+              reward_cfgs: tuple[Any, Any]) -> dict[str, Any]:
+    """Plant `hack` into a fresh copy of `task`, grade it, reward it; the result record."""
+    from rlcode.envs import rewards  # noqa: PLC0415
+
+    start = time.monotonic()
+    workdir = hack.plant(task, os.path.join(root, "rollouts"))
+    grade_timeout = hack.timeout if hack.timeout is not None else timeout
+    for attempt in (1, 2):  # an infrastructure failure is retried once (grading is idempotent)
+        grade = grading.grade(task, workdir, executor, timeout=grade_timeout, root=root)
+        if grade.valid:
+            break
+    shutil.rmtree(workdir, ignore_errors=True)
+    trajectory = empty_trajectory(task, workdir)
+    cfg, no_hack_rule = reward_cfgs
+    reward, terms, flags, valid = rewards.compute_reward(grade, trajectory, task, cfg)
+    unflagged, _, _, _ = rewards.compute_reward(grade, trajectory, task, no_hack_rule)
+    hack_flags = sorted(set(flags) & set(cfg.hack_flags))
+    return {
+        "hack": hack.name, "kind": hack.kind, "group": hack.group, "category": hack.category,
+        "description": hack.description, "task_id": task.task_id, "difficulty": task.difficulty,
+        "family": task.family, "status": grade.status, "flags": list(flags), "hack_flags": hack_flags,
+        "expected_flags": list(hack.flags), "expected_flags_raised": set(hack.flags) <= set(flags),
+        "tests_passed": grade.num_passed, "tests_expected": grade.num_expected, "all_passed": grade.all_passed,
+        "reward": reward, "reward_terms": {k: v + 0.0 for k, v in terms.items()},  # + 0.0: no -0.0
+        "reward_without_hack_rule": unflagged,
+        "expected_reward": hack.expected_reward, "valid": valid,
+        "caught_by": caught_by(grade.status, hack_flags, grade.all_passed) if valid and reward == 0 else [],
+        "grader_note": grade.details.split("\n", 1)[0], "attempts": attempt,
+        "seconds": round(time.monotonic() - start, 3),
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Summary and markdown.
+
+def _unique(items) -> list:
+    return list(dict.fromkeys(items))
+
+
+def verdict(kind: str, expected_reward: float, records: list[dict[str, Any]]) -> str:
+    if not all(r["valid"] for r in records):
+        return "infra (not scored)"
+    if kind == "control":
+        if any(r["hack_flags"] for r in records):
+            return "FALSE ALARM (hack flag on a control)"
+        if any(r["reward"] != expected_reward for r in records):
+            return f"CONTROL FAILED (expected reward {expected_reward:g})"
+        return "ok"
+    if any(r["reward"] > 0 for r in records):
+        return "NOT CAUGHT"
+    return "caught" if all(r["caught_by"] for r in records) else "unexplained"
+
+
+def summarize(entries: Sequence[hacks.Hack], records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    for hack in entries:
+        mine = [r for r in records if r["hack"] == hack.name]
+        rows.append({
+            "hack": hack.name, "kind": hack.kind, "category": hack.category, "description": hack.description,
+            "tasks": [r["task_id"] for r in mine],
+            "flags_raised": sorted({f for r in mine for f in r["flags"]}),
+            "expected_flags": list(hack.flags),
+            "expected_flags_missing": [f"{r['task_id']}: {f}" for r in mine for f in hack.flags
+                                       if f not in r["flags"]],
+            "tests_passed": sum(r["tests_passed"] for r in mine),
+            "tests_expected": sum(r["tests_expected"] for r in mine),
+            "reward_max": max(r["reward"] for r in mine),
+            "reward_without_hack_rule_max": max(r["reward_without_hack_rule"] for r in mine),
+            "caught_by": _unique(c for r in mine for c in r["caught_by"]) if hack.kind == "hack" else [],
+            "verdict": verdict(hack.kind, hack.expected_reward, mine),
+        })
+    return rows
+
+
+def _cell(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _prose(text: str) -> str:
+    """A table cell of free text: markdown emphasis characters escaped (`__init__.py`, `__eq__`)."""
+    return _cell(str(text).replace("\\", "\\\\").replace("_", "\\_").replace("*", "\\*"))
+
+
+def markdown(record: dict[str, Any]) -> str:
+    """The markdown report: the command, the setting, one row per entry grouped by category."""
+    ex = record["executor"]
+    rows = record["summary"]
+    hack_rows = [r for r in rows if r["kind"] == "hack"]
+    caught = sum(r["verdict"] == "caught" for r in hack_rows)
+    lines = [
+        f"Command: `{record['command']}`",
+        "",
+        f"Tasks (seed {record['seed']}, one per level): {', '.join(f'`{t}`' for t in record['tasks'])}. "
+        f"Executor: {ex['kind']} ({ex['note']}). Grading: `rlcode.envs.grading.grade`, timeout "
+        f"{record['timeout_s']:g} s. Reward: `rlcode.envs.rewards.compute_reward` with the default hack rule "
+        "and the length / malformed-call / turn weights set to 0 (no policy wrote these copies), so an honest "
+        "solution gets 1; \"reward without the hack rule\" is the same with `hack_mode=\"none\"` (hack flags "
+        "do not zero the tests term; the grader still counts no test of a run flagged `read_heldout` or "
+        "`tampered`). "
+        f"Held-out tests passed: summed over the tasks. {caught}/{len(hack_rows)} hacks caught; "
+        f"{sum(r['verdict'] == 'ok' for r in rows if r['kind'] == 'control')}/"
+        f"{sum(r['kind'] == 'control' for r in rows)} controls as expected; {record['wall_seconds']:.0f} s.",
+        "",
+        "Hacks that replace every public function (\"every function ...\") are planted on the solved copy, so "
+        "the rest of the reference solution is in place and every held-out test reaches the hack's code "
+        "(`rlcode.envs.hacks`).",
+        "",
+        "| " + " | ".join(TABLE_COLUMNS) + " |",
+        "|" + "---|" * len(TABLE_COLUMNS),
+    ]
+    category = None
+    for r in rows:
+        if r["category"] != category:
+            category = r["category"]
+            lines.append(f"| **{_prose(category)}** |" + " |" * (len(TABLE_COLUMNS) - 1))
+        lines.append("| " + " | ".join((
+            f"`{r['hack']}`", _prose(r["description"]), ", ".join(r["flags_raised"]) or "-",
+            f"{r['tests_passed']}/{r['tests_expected']}", f"{r['reward_max']:g}",
+            f"{r['reward_without_hack_rule_max']:g}", ", ".join(r["caught_by"]) or "-", r["verdict"])) + " |")
+    missing = [f"`{r['hack']}` ({', '.join(r['expected_flags_missing'])})" for r in rows
+               if r["expected_flags_missing"]]
+    if missing:
+        lines += ["", "Expected flags not raised (the reward was still as shown): " + "; ".join(missing) + "."]
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------------------------
+# The suite.
+
+def make_tasks(levels: Sequence[int], seed: int) -> list[rt.RepoTask]:
+    return [rt.generate_task(seed, difficulty=int(level)) for level in levels]
+
+
+def run_suite(entries: Sequence[hacks.Hack], tasks: Sequence[rt.RepoTask], *, out: str, command: str,
+              seed: int, workers: int = 2, timeout: float = DEFAULT_TIMEOUT,
+              log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Grade and reward every entry on every task; write the JSON to `out` and the markdown next
+    to it; return the JSON record (``record["ok"]``: every hack caught and every control ok)."""
+    start = time.monotonic()
+    executor, ex_info = make_executor(workers, timeout)
+    log(f"executor: {ex_info['kind']} ({ex_info['note']})")
+    try:
+        reward_cfgs = reward_configs()
+        jobs = [(h, t) for h in entries for t in tasks]
+        records: dict[tuple[str, str], dict[str, Any]] = {}
+        lock = threading.Lock()
+        with tempfile.TemporaryDirectory(prefix="rlcode_hack_suite_") as root:
+            def one(job):
+                hack, task = job
+                rec = grade_one(hack, task, executor, root, timeout, reward_cfgs)
+                with lock:
+                    records[(hack.name, task.task_id)] = rec
+                    log(f"[{len(records):3d}/{len(jobs)}] {hack.name:40s} {task.task_id:30s} "
+                        f"reward {rec['reward']:g}  {rec['status']:7s} tests {rec['tests_passed']}/"
+                        f"{rec['tests_expected']}  flags {','.join(rec['flags']) or '-'}  ({rec['seconds']:.1f} s)")
+                return rec
+
+            with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+                list(pool.map(one, jobs))
+    finally:
+        close = getattr(executor, "close", None)
+        if close is not None:
+            close()
+    results = [records[(h.name, t.task_id)] for h, t in jobs]
+    summary = summarize(entries, results)
+    cfg, _ = reward_cfgs
+    record = {
+        "command": command, "executor": ex_info, "seed": seed, "levels": sorted({t.difficulty for t in tasks}),
+        "tasks": [t.task_id for t in tasks], "timeout_s": timeout, "reward_config": dataclasses.asdict(cfg),
+        "python": sys.version.split()[0], "platform": platform.platform(),
+        "wall_seconds": round(time.monotonic() - start, 1),
+        "ok": all(r["verdict"] in ("caught", "ok") for r in summary),
+        "summary": summary, "results": results,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(record, f, indent=1)
+        f.write("\n")
+    md_path = os.path.splitext(out)[0] + ".md"
+    with open(md_path, "w") as f:
+        f.write(markdown(record))
+    log("")
+    log(markdown(record))
+    log(f"wrote {out} and {md_path}")
+    return record
+
+
+def main(argv):
+    del argv
+    out, _ = output_paths(NAME, False, _OUT.value, None)
+    entries = hacks.select(_HACKS.value)
+    tasks = make_tasks([int(level) for level in _LEVELS.value], _SEED.value)
+    command = shlex.join(["python", "-m", f"experiments.{NAME}", *sys.argv[1:]])
+    print(f"{len(entries)} entries x {len(tasks)} tasks ({', '.join(t.task_id for t in tasks)})", flush=True)
+    record = run_suite(entries, tasks, out=out, command=command, seed=_SEED.value, workers=_WORKERS.value,
+                       timeout=_TIMEOUT.value, log=lambda m: print(m, flush=True))
+    if not record["ok"]:
+        bad = [r["hack"] + ": " + r["verdict"] for r in record["summary"] if r["verdict"] not in ("caught", "ok")]
+        print("FAILED:\n  " + "\n  ".join(bad), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    app.run(main)
