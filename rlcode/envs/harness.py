@@ -61,6 +61,11 @@ the repository root.
 Tools (JSON schema of each tool's arguments):
 {tools}"""
 
+COMPACT_SYSTEM_PROMPT = """\
+Fix the Python repository with tools; call submit when done. Call a tool as \
+<tool_call>{{"name": NAME, "arguments": {{...}}}}</tool_call>. Tools:
+{tools}"""
+
 SUMMARY_PROMPT = (
     "Your context window is nearly full. Summarise your progress on the task so far: what you have "
     "found, which files you changed and how, what remains to be done, and anything else you need to "
@@ -109,12 +114,15 @@ class Turn:
 @dataclasses.dataclass
 class Segment:
     """One context: ids, policy_mask and turn_index have the same length; messages render to ids
-    (up to the sampled assistant ids, see the module docstring)."""
+    (up to the sampled assistant ids, see the module docstring). documents: [start, end) spans of
+    `ids` that hold a document: the full observation of a successful call of a `document_tools`
+    tool (a file the agent read), in order; under squid attention each is its own document."""
 
     ids: list[int] = dataclasses.field(default_factory=list)
     policy_mask: list[int] = dataclasses.field(default_factory=list)
     turn_index: list[int] = dataclasses.field(default_factory=list)
     messages: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    documents: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     def extend(self, ids: Sequence[int], mask: int | Sequence[int], turn: int) -> None:
         ids = list(ids)
@@ -176,8 +184,18 @@ class Trajectory:
         return self.num_infra_errors > 0
 
 
-def render_system_prompt(registry=tools.TOOLS) -> str:
-    return SYSTEM_PROMPT.format(tools=tools.render_tool_docs(registry))
+def render_system_prompt(registry=tools.TOOLS, *, compact: bool = False) -> str:
+    """The system prompt listing `registry`'s tools: with their JSON schemas, or (`compact`) one
+    line per tool, ``name(required, optional=)``, for small models with short contexts."""
+    if not compact:
+        return SYSTEM_PROMPT.format(tools=tools.render_tool_docs(registry))
+    lines = []
+    for name, spec in registry.items():
+        params = spec.schema()["parameters"]
+        required = list(params.get("required", ()))
+        optional = [p for p in params.get("properties", {}) if p not in required]
+        lines.append(f"{name}({', '.join(required + [p + '=' for p in optional])})")
+    return COMPACT_SYSTEM_PROMPT.format(tools="\n".join(lines))
 
 
 def format_tool_message(observations: Sequence[str]) -> str:
@@ -244,11 +262,14 @@ class _Episode:
     """State of one `run_episode` call."""
 
     def __init__(self, task, policy_fn, workspace, tokenizer, pool, *, max_turns, max_context_tokens,
-                 max_response_tokens, summary_prompt, max_total_tokens, system_prompt, registry):
+                 max_response_tokens, summary_prompt, max_total_tokens, system_prompt, registry,
+                 document_tools=(), pass_documents=False):
         self.task, self.policy_fn, self.ws, self.tok, self.pool = task, policy_fn, workspace, tokenizer, pool
         self.max_turns, self.max_context = max_turns, max_context_tokens
         self.max_response, self.summary_prompt = max_response_tokens, summary_prompt
         self.max_total, self.registry = max_total_tokens, registry
+        self.document_tools, self.pass_documents = frozenset(document_tools), pass_documents
+        self.shown: list[str] = []
         self.base_messages = [{"role": "system", "content": system_prompt},
                               {"role": "user", "content": task.instruction}]
         self.gen_prompt = tokenizer.encode_chat([], add_generation_prompt=True)[0]
@@ -314,7 +335,10 @@ class _Episode:
     def generate(self, seg: Segment, kind: str) -> Turn:
         index = len(self.turns)
         seg.extend(self.gen_prompt, 0, index)
-        raw = self.policy_fn(list(seg.ids))
+        if self.pass_documents:
+            raw = self.policy_fn(list(seg.ids), list(seg.documents))
+        else:
+            raw = self.policy_fn(list(seg.ids))
         kept, closed, truncated = _normalise_generation(self.tok, raw, self.max_response)
         seg.extend(kept, 1, index)
         if not closed:
@@ -353,6 +377,22 @@ class _Episode:
                                         outcome.status, error)
         return records  # type: ignore[return-value]
 
+    def add_tool_message(self, seg: Segment, turn: Turn, message: dict[str, Any]) -> None:
+        """Append the tool message; record the observations of `document_tools` calls that were
+        shown in full as document spans (located in the rendered ids, so a tokenizer that merges
+        across the observation's boundary simply yields no document)."""
+        rendered = self._render([message])
+        offset, cursor = len(seg.ids), 0
+        for call, shown in zip(turn.calls, self.shown):
+            enc = self.tok.encode(shown)
+            at = _find(rendered, enc, cursor) if enc else -1
+            if at < 0:
+                continue
+            cursor = at + len(enc)
+            if call.name in self.document_tools and call.status == "ok" and shown == call.observation:
+                seg.documents.append((offset + at, offset + at + len(enc)))
+        seg.extend(rendered, 0, turn.index)
+
     def fit_message(self, seg: Segment, message: dict[str, Any],
                     observations: list[str] | None = None) -> dict[str, Any] | None:
         """`message` (for a tool message: built from `observations`, shortened as needed) such
@@ -367,6 +407,7 @@ class _Episode:
             candidate = dict(message, content=format_tool_message(shown))
             size = len(self._render([candidate]))
             if size <= room:
+                self.shown = shown
                 return candidate
             if cap == 0 or room <= 0:
                 return None
@@ -379,7 +420,8 @@ def run_episode(task: repo_tasks.RepoTask, policy_fn: PolicyFn, executor: tools.
                 root: str | os.PathLike | None = None, workdir: str | None = None,
                 system_prompt: str | None = None, registry=tools.TOOLS,
                 limits: tools.ToolLimits = tools.ToolLimits(), python: str | None = None,
-                max_parallel_calls: int = 8, command_concurrency: int | None | str = "auto") -> Trajectory:
+                max_parallel_calls: int = 8, command_concurrency: int | None | str = "auto",
+                document_tools: Sequence[str] = ("read_file",), pass_documents: bool = False) -> Trajectory:
     """Play `task` with `policy_fn` until submit, `max_turns` action turns or the token budget.
 
     policy_fn: context ids -> generated ids (cut here after the first stop id and at
@@ -396,6 +438,10 @@ def run_episode(task: repo_tasks.RepoTask, policy_fn: PolicyFn, executor: tools.
       ``guarantees()`` (`rlcode.sandbox.SandboxPool` in root mode hands the working copy to the
       uid of the worker slot for the duration of each execution, so two executions on one copy
       in different slots would lock each other out), else no limit.
+    document_tools: tools whose full observations are recorded as document spans
+      (`Segment.documents`). pass_documents: call ``policy_fn(ids, documents)`` with the
+      segment's spans (a sampler that reuses document KV under squid attention) instead of
+      ``policy_fn(ids)``.
     Returns the `Trajectory`; its `workdir` holds the final copy (the caller removes it).
     Raises ValueError when max_context_tokens cannot hold the prompt, a summary and one turn.
     """
@@ -417,7 +463,8 @@ def run_episode(task: repo_tasks.RepoTask, policy_fn: PolicyFn, executor: tools.
             ep = _Episode(task, policy_fn, ws, tokenizer, pool, max_turns=max_turns,
                           max_context_tokens=max_context_tokens, max_response_tokens=max_response_tokens,
                           summary_prompt=summary_prompt, max_total_tokens=max_total_tokens,
-                          system_prompt=system_prompt, registry=registry)
+                          system_prompt=system_prompt, registry=registry, document_tools=document_tools,
+                          pass_documents=pass_documents)
             end_reason = _loop(ep)
     except BaseException:
         if created:  # no trajectory points at the copy: do not leave it behind
@@ -488,7 +535,19 @@ def _loop(ep: _Episode) -> str:
                 return "context"
             continue
         seg.messages.append(message)
-        seg.extend(ep._render([message]), 0, turn.index)
+        if parsed:
+            ep.add_tool_message(seg, turn, message)
+        else:
+            seg.extend(ep._render([message]), 0, turn.index)
+
+
+def _find(seq: list[int], sub: list[int], start: int) -> int:
+    """First index >= start where `sub` occurs in `seq`, else -1."""
+    first, n = sub[0], len(sub)
+    for i in range(start, len(seq) - n + 1):
+        if seq[i] == first and seq[i:i + n] == sub:
+            return i
+    return -1
 
 
 def _cap_summary(ep: _Episode, text: str) -> str:
@@ -500,13 +559,13 @@ def _cap_summary(ep: _Episode, text: str) -> str:
 
 def expert_demonstration(task: repo_tasks.RepoTask, executor: tools.Executor, tokenizer: tk.Tokenizer, *,
                          root: str | os.PathLike | None = None, max_context_tokens: int = 1 << 17,
-                         max_response_tokens: int = 4096, **kwargs) -> Trajectory:
+                         max_response_tokens: int = 4096, style: str = "full", **kwargs) -> Trajectory:
     """The scripted expert (`repo_tasks.expert_turns`) played through `run_episode`.
 
     The trajectory's messages are an SFT demonstration in the tokenizer's message format
     (assistant messages with ``tool_calls``, ``tool`` messages with the real observations); its
     ids and policy mask are the training sequence."""
-    turns = repo_tasks.expert_turns(task)
+    turns = repo_tasks.expert_turns(task, style)
     return run_episode(task, ScriptedPolicy(tokenizer, turns), executor, tokenizer, max_turns=len(turns),
                        max_context_tokens=max_context_tokens, max_response_tokens=max_response_tokens,
                        root=root, **kwargs)

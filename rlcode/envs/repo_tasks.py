@@ -1048,17 +1048,33 @@ def write_heldout_tests(task: RepoTask, directory: str | os.PathLike) -> list[st
 # ----------------------------------------------------------------------------------------------
 # Scripted expert.
 
-def expert_turns(task: RepoTask) -> list[dict[str, Any]]:
+EXPERT_STYLES = ("full", "compact")
+
+
+def expert_turns(task: RepoTask, style: str = "full") -> list[dict[str, Any]]:
     """The expert's assistant messages (``{"role", "content", "tool_calls"}``), in order.
 
-    Look around and run the visible tests; read the relevant files (concurrently); search for
-    the symbol the fix is about (its uses, or what ties two modules together); apply the
-    reference edits; run the tests and the linter; submit. The messages do not depend on the observations, so a scripted
+    ``full``: look around and run the visible tests; read the relevant files (concurrently);
+    search for the symbol the fix is about (its uses, or what ties two modules together); apply
+    the reference edits; run the tests and the linter; submit. ``compact`` (short episodes for
+    small models): read the relevant source files (not the tests); apply the edits; run the
+    tests; submit. The messages do not depend on the observations, so a scripted
     policy can replay them (`rlcode.envs.harness.ScriptedPolicy`), and the episode's chat is an
     SFT demonstration in the tokenizer's message format.
     """
+    if style not in EXPERT_STYLES:
+        raise ValueError(f"expert style must be one of {EXPERT_STYLES}, got {style!r}")
+
     def call(name, **arguments):
         return {"name": name, "arguments": arguments}
+
+    if style == "compact":
+        reads = [p for p in task.expert_reads if p not in task.visible_test_files] or list(task.expert_reads)
+        turns = [("", [call("read_file", path=p) for p in reads]),
+                 ("", [call("edit_file", path=e.path, old=e.old, new=e.new) for e in task.edits]),
+                 ("", [call("run_tests")]),
+                 ("", [call("submit")])]
+        return [{"role": "assistant", "content": text, "tool_calls": calls} for text, calls in turns]
 
     turns = [("I'll look at the repository layout and run the visible tests first.",
               [call("list_dir", path="."), call("run_tests")]),

@@ -483,3 +483,48 @@ def test_expert_through_the_sandbox_pool(tmp_path):
         assert all("outside the repository" in c.observation for c in traj.tool_calls[1:3])
         if pool.guarantees().get("readonly_host_filesystem"):
             assert not marker.exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# compact expert, compact prompt, document spans
+
+
+@pytest.mark.parametrize("difficulty", [1, 3])
+def test_compact_expert_solves_and_marks_read_files_as_documents(tmp_path, difficulty):
+    task = rt.generate_task(2, difficulty=difficulty)
+    registry = {n: tools.TOOLS[n] for n in ("read_file", "edit_file", "run_tests", "submit")}
+    prompt = harness.render_system_prompt(registry, compact=True)
+    assert "edit_file(path, old, new)" in prompt and "read_file(path, start_line=, end_line=)" in prompt
+    assert "grep" not in prompt
+    traj = harness.expert_demonstration(task, LocalExecutor(), TOK, root=tmp_path, style="compact",
+                                        system_prompt=prompt, registry=registry)
+    assert traj.end_reason == "submitted" and traj.num_turns == 4 and traj.num_malformed_calls == 0
+    rc, out = heldout_result(task, traj.workdir, tmp_path)
+    assert rc == 0, out
+    seg = traj.segments[0]
+    reads = [c for c in traj.tool_calls if c.name == "read_file"]
+    assert reads and [TOK.decode(seg.ids[a:b]) for a, b in seg.documents] == [c.observation for c in reads]
+    # Only the read files: no other observation (edits, tests) is a document.
+    assert all(seg.policy_mask[a:b] == [0] * (b - a) for a, b in seg.documents)
+
+
+def test_documents_are_passed_to_the_policy_and_cut_observations_are_not_documents(tmp_path):
+    task = rt.generate_task(0, difficulty=1)
+    path = next(p for p in task.files if not p.startswith("tests") and not p.endswith("__init__.py"))
+    seen = []
+
+    def policy(ids, documents):
+        seen.append(list(documents))
+        return harness.ScriptedPolicy(TOK, [assistant("", ("read_file", {"path": path}))]).render(
+            assistant("", ("read_file", {"path": path})))
+
+    traj = harness.run_episode(task, policy, LocalExecutor(), TOK, max_turns=2, root=tmp_path, pass_documents=True,
+                               **BIG)
+    assert seen[0] == [] and len(seen[1]) == 1 and traj.segments[0].documents == seen[1]
+    # A context too small for the whole file: the observation is cut, so it is not a document.
+    a, b = seen[1][0]
+    traj = harness.run_episode(task, policy, LocalExecutor(), TOK, max_turns=2, root=tmp_path, pass_documents=True,
+                               max_context_tokens=b + 100, max_response_tokens=120, summary_prompt=None)
+    obs = [c.observation for c in traj.tool_calls]
+    shown = TOK.decode(traj.segments[0].ids)
+    assert obs and obs[0] not in shown and traj.segments[0].documents == []
