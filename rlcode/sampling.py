@@ -274,7 +274,12 @@ def document_context(
     """Lay out row p's documents `doc_sets[p]` (in that order) at the positions of `mode`.
 
     A document encoded at another position is moved by rotating its keys (values carry no
-    position). S is the longest row's document tokens rounded up to `pad_to`."""
+    position). S is the longest row's document tokens rounded up to `pad_to`. Only a squid model
+    has documents that are independent of each other (REFERENCE.md §8); any other raises."""
+    kind = model.cfg.attention["kind"]
+    if kind != "squid":
+        raise ValueError(f"cached documents need attention.kind='squid' (a document's keys depend on the "
+                         f"tokens before it under {kind!r} attention)")
     rows, lengths, next_pos = [], [], []
     for docs in doc_sets:
         starts, nxt = document_positions([d.length for d in docs], mode, start)
@@ -344,3 +349,75 @@ def sample_with_context(
     return _generate(
         model, prefix, context.length + lengths_p, last, context.next_position + lengths_p, key, group_size, cfg
     )
+
+
+# --------------------------------------------------------------------------------------------
+# Multi-turn sessions: a persistent KV cache per row, extended turn by turn
+# --------------------------------------------------------------------------------------------
+
+
+class SessionCache(NamedTuple):
+    """Keys/values of R rows' contexts, k/v [num_layers, R + 1, S, K, H] (row R is scratch for
+    padding rows of a batch); slot p holds the token at position p. Which slots are filled is
+    tracked by the caller (`rlcode.train.agent.SessionSampler`)."""
+
+    k: jax.Array
+    v: jax.Array
+
+
+def init_session_cache(model: nnx.Module, rows: int, max_len: int) -> SessionCache:
+    cfg = model.cfg
+    shape = (model.num_layers, rows + 1, max_len, cfg.num_kv_heads, cfg.head_dim)
+    return SessionCache(jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype))
+
+
+def _write_rows(cache_rows: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Array:
+    """cache_rows [L, Rb, S, K, H] with new [L, Rb, T, K, H] written at slot starts[b] of row b."""
+    put = lambda c, n, s: jax.lax.dynamic_update_slice_in_dim(c, n.astype(c.dtype), s, axis=1)
+    return jax.vmap(put, in_axes=(1, 1, 0), out_axes=1)(cache_rows, new, starts)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
+def extend_session(graphdef, params, cache: SessionCache, rows, tokens, lengths, num_new):
+    """Append tokens [Rb, T] (right-padded, num_new [Rb] real ones) to the contexts of `rows` [Rb]
+    that hold lengths [Rb] tokens: each new token attends to its row's cached slots below
+    `lengths` and causally to the new tokens before it (positions lengths + t), which is the full
+    forward at those positions for causal and squid-global tokens. Returns (cache with the new
+    keys/values written at slots lengths.., hidden [Rb, D] of each row's last new token).
+    The caller keeps lengths + T within the cache length."""
+    model = nnx.merge(graphdef, params)
+    ck, cv = cache.k[:, rows], cache.v[:, rows]
+    S, T = ck.shape[2], tokens.shape[1]
+    valid = jnp.arange(S)[None, :] < lengths[:, None]
+    positions = lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    layers = [KVCache(ck[i], cv[i]) for i in range(ck.shape[0])]
+    out = model.forward_with_context(tokens, positions, layers, valid, return_kv=True)
+    ck = _write_rows(ck, jnp.stack([kv.k for kv in out.kv]), lengths)
+    cv = _write_rows(cv, jnp.stack([kv.v for kv in out.kv]), lengths)
+    last = out.hidden[jnp.arange(tokens.shape[0]), jnp.maximum(num_new - 1, 0)]
+    return SessionCache(cache.k.at[:, rows].set(ck), cache.v.at[:, rows].set(cv)), last
+
+
+@functools.partial(jax.jit, static_argnames=("theta",), donate_argnames=("cache",))
+def write_documents(cache: SessionCache, rows, starts, doc_k, doc_v, doc_start, *, theta: float):
+    """Place cached documents into distinct `rows` [Nd] at slots starts [Nd]: doc_k/v
+    [L, Nd, Ld, K, H] (right-padded) were encoded with their first token at doc_start [Nd]; keys
+    are rotated by starts - doc_start (RoPE is a rotation). Padding slots past a document's end
+    are written too; they lie beyond the row's filled length."""
+    L, Nd, Ld, K, H = doc_k.shape
+    flat = doc_k.transpose(1, 0, 2, 3, 4).reshape(Nd, L * Ld, K, H)
+    delta = jnp.broadcast_to((starts - doc_start)[:, None], (Nd, L * Ld)).astype(jnp.int32)
+    moved = apply_rope(flat, delta, theta).reshape(Nd, L, Ld, K, H).transpose(1, 0, 2, 3, 4)
+    ck = _write_rows(cache.k[:, rows], moved, starts)
+    cv = _write_rows(cache.v[:, rows], doc_v, starts)
+    return SessionCache(cache.k.at[:, rows].set(ck), cache.v.at[:, rows].set(cv))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "cfg"))
+def sample_session(graphdef, params, cache: SessionCache, rows, lengths, last_hidden, key, *,
+                   cfg: SamplingConfig) -> SampleOutput:
+    """Sample one continuation per row of `rows` [Rb] after its cached context of lengths [Rb]
+    tokens; last_hidden [Rb, D] is the hidden state of each context's last token."""
+    model = nnx.merge(graphdef, params)
+    prefix = [KVCache(cache.k[i, rows], cache.v[i, rows]) for i in range(cache.k.shape[0])]
+    return _generate(model, prefix, lengths, last_hidden, lengths, key, 1, cfg)

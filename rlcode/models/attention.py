@@ -169,6 +169,19 @@ class DenseAttention(nnx.Module):
         o = constrain(o, ("batch", "seq", "heads", "head_dim"))
         return self.proj.out(o), KVCache(k, v)
 
+    def attend_context(
+        self, x_btd: jax.Array, positions_bt: jax.Array, context: KVCache, context_valid: jax.Array
+    ) -> tuple[jax.Array, KVCache]:
+        """New tokens x [B,T,D] (right padding allowed) against cached keys and values
+        context.k/v [B,S,K,H] where context_valid [B,S], and causally among themselves; returns
+        (y, own KVCache). Under squid attention the context is cached documents (the global
+        segment's reuse path); for any causal attention it is the already processed prefix, so
+        this is chunked (incremental) prefill."""
+        q, k, v = self.proj.qkv(x_btd, positions_bt)
+        impl = _options(self.cfg, "squid")["impl"] if self.cfg.attention["kind"] == "squid" else "xla"
+        o = squid_kernels.global_attention(q, k, v, context.k, context.v, context_valid, impl=impl)
+        return self.proj.out(o), KVCache(k, v)
+
     def init_suffix_cache(self, batch: int, max_len: int) -> KVCache:
         shape = (batch, max_len, self.cfg.num_kv_heads, self.cfg.head_dim)
         return KVCache(jnp.zeros(shape, self.cfg.dtype), jnp.zeros(shape, self.cfg.dtype))
@@ -215,9 +228,8 @@ class SquidAttention(DenseAttention):
 
     Training / full forward: `mask.segment_ids` are document indices (-1 padding) and
     `mask.is_global` marks the global segment; without segment ids the whole sequence is one
-    global segment (plain causal attention). `attend_context` is the reuse path: the global
-    segment's tokens against cached document keys/values (`kernels.squid.global_attention`).
-    Decoding is the dense decode: generated tokens are global and see every cached key.
+    global segment (plain causal attention). `attend_context` (inherited) is the reuse path:
+    the global segment's tokens against cached document keys/values. Decoding is the dense decode: generated tokens are global and see every cached key.
     Config: attention.impl ('auto' | 'xla' | 'triton').
     """
 
@@ -234,17 +246,6 @@ class SquidAttention(DenseAttention):
             seg = jnp.where(jnp.arange(T)[None, :] < mask.kv_lengths[:, None], seg, -1)
         o = squid_kernels.squid_attention(q, k, v, seg, glob, impl=_options(self.cfg, "squid")["impl"])
         o = constrain(o, ("batch", "seq", "heads", "head_dim"))
-        return self.proj.out(o), KVCache(k, v)
-
-    def attend_context(
-        self, x_btd: jax.Array, positions_bt: jax.Array, context: KVCache, context_valid: jax.Array
-    ) -> tuple[jax.Array, KVCache]:
-        """Global-segment tokens x [B,T,D] (right padding allowed) against cached document keys and
-        values context.k/v [B,S,K,H] where context_valid [B,S]; returns (y, own KVCache)."""
-        q, k, v = self.proj.qkv(x_btd, positions_bt)
-        o = squid_kernels.global_attention(
-            q, k, v, context.k, context.v, context_valid, impl=_options(self.cfg, "squid")["impl"]
-        )
         return self.proj.out(o), KVCache(k, v)
 
 

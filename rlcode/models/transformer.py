@@ -210,11 +210,12 @@ class Transformer(nnx.Module):
         context_valid: jax.Array,
         return_kv: bool = False,
     ) -> ModelOutput:
-        """The global segment of squid attention (REFERENCE.md §8) against cached documents.
+        """New tokens against cached keys/values: the global segment of squid attention
+        (REFERENCE.md §8) against cached documents, or chunked prefill after a cached prefix.
 
-        tokens/positions [B, T] (right padding allowed); context: per layer the documents' cached
-        keys/values [B, S, K, H] (`rlcode.sampling.document_context`); context_valid [B, S].
-        Equals the full packed forward at the global positions without recomputing documents.
+        tokens/positions [B, T] (right padding allowed); context: per layer the cached keys/values
+        [B, S, K, H] (`rlcode.sampling.document_context`, a session cache); context_valid [B, S].
+        Equals the full forward at the new positions without recomputing the context.
         """
         if len(context) != self.num_layers:
             raise ValueError(f"context has {len(context)} layers, the model {self.num_layers}")
