@@ -2,7 +2,8 @@
 
     python -m experiments.train --config=configs/grpo_synth.py
 
-Everything is in `rlcode.train.loop.run`; this script parses the config and prints where the
+Everything is in `rlcode.train.loop.run` (or `rlcode.train.agent.run` for a config with
+``job = "agent"``, e.g. configs/agent_repo.py); this script parses the config and prints where the
 results went. See configs/grpo_synth.py for the options (objective, async sampling, mesh, ...).
 """
 
@@ -23,10 +24,11 @@ def main(argv):
     del argv
     # Checkpoint libraries log every file operation at INFO; the job's own progress is enough.
     logging.set_verbosity(logging.WARNING)
-    from rlcode.train import loop  # noqa: PLC0415 (after flag parsing: a bad flag fails fast)
+    from rlcode.train import agent, loop  # noqa: PLC0415 (after flag parsing: a bad flag fails fast)
 
+    job = agent if _CONFIG.value.get("job", "synth") == "agent" else loop
     try:
-        result = loop.run(_CONFIG.value)
+        result = job.run(_CONFIG.value)
     except KeyboardInterrupt:
         # Before the RL loop (SFT, compilation) or a second Ctrl-C: nothing half-written is kept.
         print(f"aborted; checkpoints saved so far are in {_CONFIG.value.workdir}/checkpoints "
@@ -34,7 +36,7 @@ def main(argv):
         return 130
     first, last = result.first_eval or {}, result.last_eval or {}
     n = _CONFIG.value.eval.num_samples
-    keys = ["eval/pass@1", f"eval/best_of_{n}"]
+    keys = ["eval/pass@1", f"eval/best_of_{n}"] + (["eval_fresh/pass@1"] if job is agent else [])
     table = {k: (first.get(k), last.get(k)) for k in keys}
     print(json.dumps({"workdir": result.workdir, "steps": result.steps_done, "completed": result.completed,
                       "interrupted": result.interrupted, "minutes": round(result.seconds / 60, 2),

@@ -76,7 +76,17 @@ def demo_batch(demos: EncodedTasks, ids: np.ndarray, trim_multiple: int = 32) ->
     return trim_batch(batch, needed, trim_multiple)
 
 
-def cache_key(model_cfg: Any, sft_cfg: Any, demos: EncodedTasks, seed: int) -> str:
+def _demo_arrays(demos: Any) -> tuple[np.ndarray, ...]:
+    if isinstance(demos, EncodedTasks):
+        return demos.prompts, demos.prompt_lengths, demos.targets, demos.target_lengths
+    return demos.arrays()
+
+
+def _demo_batch(demos: Any, ids: np.ndarray) -> dict[str, jax.Array]:
+    return demo_batch(demos, ids) if isinstance(demos, EncodedTasks) else demos.batch(ids)
+
+
+def cache_key(model_cfg: Any, sft_cfg: Any, demos: Any, seed: int) -> str:
     model = model_cfg.to_dict() if hasattr(model_cfg, "to_dict") else dict(model_cfg)
     model.pop("value_head", None)
     sft = sft_cfg.to_dict() if hasattr(sft_cfg, "to_dict") else dict(sft_cfg)
@@ -84,15 +94,18 @@ def cache_key(model_cfg: Any, sft_cfg: Any, demos: EncodedTasks, seed: int) -> s
         sft.pop(k, None)
     h = hashlib.sha256()
     h.update(json.dumps({"model": model, "sft": sft, "seed": seed}, sort_keys=True, default=str).encode())
-    for a in (demos.prompts, demos.prompt_lengths, demos.targets, demos.target_lengths):
+    for a in _demo_arrays(demos):
         h.update(np.ascontiguousarray(a).tobytes())
     return h.hexdigest()[:16]
 
 
-def train(model_cfg: Any, sft_cfg: Any, demos: EncodedTasks, seed: int,
+def train(model_cfg: Any, sft_cfg: Any, demos: Any, seed: int,
           on_step: Callable[[int, dict], None] | None = None) -> tuple[Any, list[dict]]:
     """Train a fresh model (no value head) on `demos`; returns (pure-dict params, history).
 
+    demos: `EncodedTasks` (prompt + reference continuation) or any object with ``len()``,
+    ``batch(ids) -> train-step batch`` and ``arrays() -> arrays that determine it`` (the cache
+    key), such as multi-turn agent demonstrations (`rlcode.train.agent.Demonstrations`).
     Batches are drawn without replacement, epoch by epoch, from a `seed`-ed permutation.
     on_step(step, metrics) is called after each step (progress display).
     """
@@ -116,7 +129,7 @@ def train(model_cfg: Any, sft_cfg: Any, demos: EncodedTasks, seed: int,
             order, cursor = rng.permutation(len(demos)), 0
         ids = order[cursor: cursor + bs]
         cursor += bs
-        state, metrics = step_fn(state, demo_batch(demos, ids))
+        state, metrics = step_fn(state, _demo_batch(demos, ids))
         nll = float(metrics["policy_loss"])
         if not np.isfinite(nll):
             raise FloatingPointError(f"SFT loss is {nll} at step {step}; lower sft.lr (now {sft_cfg.lr})")
@@ -127,7 +140,7 @@ def train(model_cfg: Any, sft_cfg: Any, demos: EncodedTasks, seed: int,
     return jax.device_get(state.params), history
 
 
-def load_or_train(model_cfg: Any, sft_cfg: Any, demos: EncodedTasks, seed: int,
+def load_or_train(model_cfg: Any, sft_cfg: Any, demos: Any, seed: int,
                   on_step: Callable[[int, dict], None] | None = None,
                   log: Callable[[str], None] = print) -> tuple[Any, dict]:
     """SFT params for (model, sft config, demos, seed), from the cache or freshly trained.

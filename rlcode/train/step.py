@@ -9,7 +9,8 @@ the state donated.
 
 Batch keys (all [B, T] unless noted): inputs, targets, positions, mask, kv_lengths [B],
 advantages ([B] or [B, T]), old_logp; optional behavior_logp (IS correction), ref_logp (KL),
-old_values and returns (PPO value loss).
+old_values and returns (PPO value loss), segment_ids and is_global (packed documents under squid
+attention, `rlcode.models.attention.AttentionMask`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from rlcode.models.transformer import logical_axes
 from rlcode.sharding import DEFAULT_RULES, Rules, named_shardings, put, use_mesh
 
 BATCH_KEYS = ("inputs", "targets", "positions", "mask", "kv_lengths", "advantages", "old_logp")
-OPTIONAL_BATCH_KEYS = ("behavior_logp", "ref_logp", "old_values", "returns")
+OPTIONAL_BATCH_KEYS = ("behavior_logp", "ref_logp", "old_values", "returns", "segment_ids", "is_global")
 
 
 class TrainState(NamedTuple):
@@ -128,7 +129,8 @@ def state_shardings(state: TrainState) -> Any:
 
 def _forward_logprobs(graphdef, params, mb, sampling_options, need_entropy):
     model = nnx.merge(graphdef, params)
-    out = model(mb["inputs"], mb["positions"], AttentionMask(kv_lengths=mb["kv_lengths"]))
+    mask = AttentionMask(kv_lengths=mb["kv_lengths"], segment_ids=mb.get("segment_ids"), is_global=mb.get("is_global"))
+    out = model(mb["inputs"], mb["positions"], mask)
     w, layout = model.unembedding()
     res = token_logprobs(out.hidden, w, mb["targets"], **sampling_options, unembed_layout=layout,
                          return_entropy=need_entropy)

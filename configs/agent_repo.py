@@ -1,0 +1,98 @@
+"""Multi-turn agent RL on repository tasks: SFT from scripted experts, then GRPO (rlcode.train.agent).
+
+    python -m experiments.train --config=configs/agent_repo.py
+
+The policy reads files, edits them, runs the tests and submits, through the tool-calling harness,
+in the sandbox; the reward is whether the held-out tests pass (minus length, malformed-call and
+per-turn penalties). Runs on a laptop CPU: the defaults use level-1 tasks (one-line fixes), the
+compact expert (read, edit, test, submit) and a 0.8M-parameter byte-level policy; `train.max_minutes`
+bounds the time spent in RL steps (evaluations excluded). The argument after ':' is a comma-separated list of choices:
+
+  attention=squid (default) | dense   squid: files the agent reads are documents whose KV is
+                  encoded once and reused across the G episodes of a group and across turns.
+  loss=<recipe>   one of rlcode.recipes.RECIPES except ppo (default grpo).
+  levels=1 | 12 | 123   task difficulties (default 1).
+
+Any field can then be overridden: `--config.rollout.group_size=4`, `--config.train.max_minutes=60`,
+`--config.seed=1 --config.workdir=runs/agent_repo/seed1`, `--config.resume=True`.
+"""
+
+import ml_collections
+
+from rlcode.envs.rewards import reward_config
+from rlcode.models.attention import attention_config
+from rlcode.models.transformer import model_config
+from rlcode.recipes import RECIPES, recipe
+from rlcode.sharding import mesh_config
+from rlcode.train.sft import sft_config
+from rlcode.train.step import optim_config
+
+ARGS = ("attention=squid", "attention=dense") + tuple(f"loss={n}" for n in RECIPES if n != "ppo") + (
+    "levels=1", "levels=12", "levels=123")
+
+AGENT_SHAPE = dict(vocab_size=320, d_model=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32,
+                   ffw_dim=384)
+
+
+def _parse(arg):
+    choices = {"attention": "squid", "loss": "grpo", "levels": "1"}
+    for item in filter(None, (arg or "").split(",")):
+        name, sep, value = item.partition("=")
+        if not sep or name not in choices:
+            raise ValueError(f"config argument {item!r}: expected one of {sorted(choices)} as name=value")
+        choices[name] = value
+    return choices
+
+
+def get_config(arg=None):
+    choices = _parse(arg)
+    if choices["attention"] not in ("squid", "dense"):
+        raise ValueError(f"attention={choices['attention']!r}: expected squid or dense")
+    if choices["loss"] not in RECIPES or choices["loss"] == "ppo":
+        raise ValueError(f"loss={choices['loss']!r}: expected one of {[n for n in RECIPES if n != 'ppo']}")
+    if not choices["levels"] or set(choices["levels"]) - set("123"):
+        raise ValueError(f"levels={choices['levels']!r}: expected digits among 1, 2, 3 (e.g. 12)")
+    cfg = ml_collections.ConfigDict()
+    cfg.job = "agent"
+    cfg.seed = 0
+    cfg.workdir = "runs/agent_repo"
+    cfg.resume = False
+    cfg.model = model_config(**AGENT_SHAPE, attention=attention_config(choices["attention"]))
+    cfg.mesh = mesh_config()
+
+    # num_train tasks are RL prompts; the first num_demos of them are also SFT demonstrations.
+    cfg.task = ml_collections.ConfigDict({"levels": tuple(int(c) for c in choices["levels"]), "num_train": 2000,
+                                          "num_demos": 400, "num_fresh": 32, "num_eval": 8, "seed": 0})
+    cfg.agent = ml_collections.ConfigDict({
+        "max_turns": 6, "max_context_tokens": 3072, "max_response_tokens": 192, "summarize": True,
+        "compact_prompt": True, "expert_style": "compact", "prefill": "documents",
+        "tools": ("read_file", "edit_file", "grep", "run_tests", "submit")})
+    cfg.sampling = ml_collections.ConfigDict({"temperature": 1.0})
+    cfg.rollout = ml_collections.ConfigDict({"prompts_per_step": 4, "group_size": 8})
+    cfg.sandbox = ml_collections.ConfigDict({"workers": 2, "timeout": 10.0})
+    # Success = every held-out test passes; small penalties per turn and per malformed call.
+    cfg.reward = reward_config(test_reward="all_pass", turn_weight=0.02, malformed_weight=0.1,
+                               length_midpoint=512.0)
+
+    objective = recipe(choices["loss"], max_new_tokens=cfg.agent.max_turns * cfg.agent.max_response_tokens)
+    cfg.objective = objective.name
+    cfg.advantage = objective.advantage
+    cfg.loss = objective.loss
+    cfg.shaping = objective.shaping
+    # DAPO's dynamic sampling and overlong band act on single completions; episode length is
+    # shaped by the reward's length term here.
+    cfg.shaping.dynamic_sampling = False
+    cfg.shaping.overlong_cache_length = 0
+    # The sampler's log-probs reach the loss: truncated IS corrects (and its statistics show) any
+    # gap between the sampled and the trained distribution.
+    cfg.loss.is_mode = "tis"
+
+    cfg.sft = sft_config(steps=200, batch_size=8, lr=3e-3)
+    cfg.train = ml_collections.ConfigDict({"steps": 200, "max_minutes": 30.0, "microbatches": 1})
+    cfg.optim = optim_config(lr=1e-4, warmup_steps=5, weight_decay=0.0, grad_clip=1.0)
+    cfg.optim.total_steps = cfg.train.get_ref("steps")
+    cfg.eval = ml_collections.ConfigDict({"every": 25, "num_samples": 2, "at_start": True, "at_end": True,
+                                          "batch_rows": 40})
+    cfg.log = ml_collections.ConfigDict({"text_every": 10, "record_every": 10})
+    cfg.checkpoint = ml_collections.ConfigDict({"every": 10, "keep": 2})
+    return cfg

@@ -1,0 +1,167 @@
+"""The agent job's sampler, batcher and training layout (rlcode.train.agent).
+
+The oracle for the sampler is the training forward: the log-probs the session sampler reports for
+the tokens it sampled (prefilled turn by turn, with documents copied from their cache under squid
+attention) must equal those the train step recomputes from the finished episode's sequence with
+its segment layout."""
+
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "envs"))
+from local_executor import LocalExecutor  # noqa: E402
+
+from configs.agent_repo import get_config  # noqa: E402
+from rlcode import sampling  # noqa: E402
+from rlcode.envs import harness, repo_tasks  # noqa: E402
+from rlcode.models.attention import AttentionMask  # noqa: E402
+from rlcode.models.transformer import init_model, model_config  # noqa: E402
+from rlcode.tokenizer import ByteTokenizer  # noqa: E402
+from rlcode.train import agent  # noqa: E402
+from rlcode.train.step import make_logprob_fn  # noqa: E402
+
+TOK = ByteTokenizer()
+
+
+def tiny(kind):
+    cfg = get_config(f"attention={kind}")
+    cfg.model = model_config(vocab_size=320, d_model=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16,
+                             ffw_dim=64, attention={"kind": kind, **({"impl": "xla"} if kind == "squid" else {})})
+    cfg.agent.max_turns, cfg.agent.max_response_tokens, cfg.agent.max_context_tokens = 2, 96, 3072
+    cfg.rollout.group_size = 2
+    cfg.sandbox.timeout = 20.0
+    return cfg
+
+
+def full_hidden(model, ids, spans):
+    """Hidden state of the last token of `ids` from the plain training forward."""
+    seg = np.zeros(len(ids), np.int32)
+    for j, (a, b) in enumerate(spans):
+        seg[a:b] = j + 1
+    mask = AttentionMask(segment_ids=jnp.asarray(seg)[None], is_global=jnp.asarray(seg == 0)[None])
+    return model(jnp.asarray(ids)[None], jnp.arange(len(ids))[None], mask).hidden[0, -1]
+
+
+@pytest.mark.parametrize("kind,mode", [("squid", "documents"), ("squid", "incremental"), ("dense", "full")])
+def test_session_prefill_equals_the_full_forward(kind, mode):
+    """Turn after turn, with documents inside the new tokens and a reset (a new segment)."""
+    model = init_model(tiny(kind).model, seed=1)
+    g, p = nnx.split(model)
+    rng = np.random.default_rng(0)
+    doc = rng.integers(3, 250, 37).tolist()
+    ctx0 = rng.integers(3, 250, 20).tolist()
+    turn1 = ctx0 + rng.integers(3, 250, 5).tolist() + doc + rng.integers(3, 250, 9).tolist()
+    spans1 = [(25, 62)]
+    turn2 = turn1 + rng.integers(3, 250, 3).tolist() + doc + rng.integers(3, 250, 4).tolist()
+    spans2 = spans1 + [(74, 111)]
+    other = rng.integers(3, 250, 30).tolist()
+    sampler = agent.SessionSampler(g, TOK, rows=3, max_context=256, max_response=4, mode=mode)
+    sampler.start(p, jax.random.key(0))
+    # Only documents mode keeps a document to itself; the others prefill it as ordinary tokens.
+    spans_of = (lambda s: s) if mode == "documents" else (lambda s: [])
+    for requests in ({0: (ctx0, []), 2: (other, [])}, {0: (turn1, spans1), 2: (other + [5, 6], [])},
+                     {0: (turn2, spans2), 2: (other[:7], [])}):
+        last = sampler.prefill(requests)
+        for r, (ids, spans) in requests.items():
+            want = full_hidden(model, ids, spans_of(spans))
+            np.testing.assert_allclose(np.asarray(last[r]), np.asarray(want), atol=2e-4, rtol=2e-4)
+    stats = sampler.stats
+    if mode == "documents":
+        # The document is encoded once and copied twice; the prefill skips both copies.
+        assert stats["tokens_documents_encoded"] == 37
+        assert stats["tokens_new_documents"] == 74
+        assert stats["tokens_prefilled"] == stats["tokens_new"] - 74
+    if mode == "full":
+        assert stats["tokens_prefilled"] == stats["tokens_full"]
+
+
+def test_episodes_logprobs_match_the_train_forward(tmp_path):
+    """Real episodes through the harness (tools, grading) with a random squid policy: behaviour
+    log-probs = the training forward's on the batch, and the layout marks the read files."""
+    cfg = tiny("squid")
+    model = init_model(cfg.model, seed=3)
+    g, p = nnx.split(model)
+    p = nnx.to_pure_dict(p)
+    tasks = [repo_tasks.generate_task(s, difficulty=1) for s in (0, 1)]
+    # A policy that reads a file in its first turn, so documents occur; then it samples freely.
+    sampler = agent.SessionSampler(g, TOK, rows=4, max_context=cfg.agent.max_context_tokens,
+                                   max_response=cfg.agent.max_response_tokens)
+    reads = {}
+
+    orig = sampler.generate
+
+    def generate(requests):
+        out = orig(requests)
+        for r, (ids, _) in requests.items():
+            if r not in reads:  # replace the first turn by a read (kept out of the log-prob check)
+                reads[r] = True
+                path = [f for f in tasks[r // 2].files if not f.startswith("tests")][-1]
+                call = {"role": "assistant", "content": "", "tool_calls": [{"name": "read_file", "arguments": {"path": path}}]}
+                ids_, mask = TOK.encode_chat([call])
+                out[r] = [t for t, m in zip(ids_, mask) if m]
+                sampler.logprobs[r][-1] = np.full(len(out[r]), np.nan, np.float32)
+        return out
+
+    sampler.generate = generate
+    episodes = agent.play_episodes([tasks[0], tasks[0], tasks[1], tasks[1]], sampler, p, jax.random.key(0),
+                                   LocalExecutor(), TOK, cfg)
+    assert all(e.valid for e in episodes)
+    assert all(len(e.trajectory.segments[0].documents) >= 1 for e in episodes), [[(c.name, c.status, c.observation[:60]) for c in e.trajectory.tool_calls] for e in episodes]
+    batch = agent.training_batch(episodes, cfg, TOK.pad_id, row_multiple=1, length_multiple=64)
+    seg = batch["segment_ids"]
+    assert seg.max() >= 1 and np.all(batch["is_global"] == (seg == 0))
+    assert not batch["mask"][seg > 0].any()  # documents are observations: never trained on
+    logp, _ = make_logprob_fn(g)(p, {k: jnp.asarray(v) for k, v in batch.items()})
+    beh = batch["behavior_logp"]
+    check = batch["mask"] & np.isfinite(beh)
+    assert check.sum() > 20
+    np.testing.assert_allclose(np.asarray(logp)[check], beh[check], atol=2e-3)
+    # Documents were encoded once per distinct file and reused by the second episode of a group.
+    st = sampler.stats
+    assert st["tokens_documents_encoded"] < st["tokens_new_documents"]
+
+
+def test_turn_batcher_answers_each_episode_in_batches():
+    calls = []
+
+    class Echo:
+        def generate(self, requests):
+            calls.append(sorted(requests))
+            return {r: [len(ids)] for r, (ids, _) in requests.items()}
+
+    import threading
+    batcher = agent.TurnBatcher(Echo(), range(3))
+    results = {}
+
+    def episode(row, turns):
+        fn = batcher.policy(row)
+        results[row] = [fn([0] * (row + 10 * t), [])[0] for t in range(turns)]
+        batcher.done(row)
+
+    threads = [threading.Thread(target=episode, args=(r, t)) for r, t in ((0, 1), (1, 3), (2, 2))]
+    for t in threads:
+        t.start()
+    batcher.serve()
+    for t in threads:
+        t.join()
+    assert calls == [[0, 1, 2], [1, 2], [1]]  # every live episode waits, then one batch
+    assert results == {0: [0], 1: [1, 11, 21], 2: [2, 12]}
+
+
+def test_config_errors():
+    cfg = get_config()
+    cfg.model.attention = {"kind": "nsa"}
+    with pytest.raises(ValueError, match="attention.kind"):
+        agent.validate_config(cfg)
+    cfg = get_config()
+    cfg.agent.tools = ("read_file",)
+    with pytest.raises(ValueError, match="submit"):
+        agent.validate_config(cfg)
+    with pytest.raises(ValueError, match="levels"):
+        get_config("levels=4")
