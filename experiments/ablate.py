@@ -1,0 +1,967 @@
+"""Ablations of the main job: a grid of config variants x seeds, one training subprocess per run,
+then a results table (mean ± std over seeds) and overlaid learning curves.
+
+    python -m experiments.ablate --config=configs/grpo_synth.py --sweep=loss:grpo,dr_grpo,dapo,gspo,cispo,ppo --seeds=3
+
+    python -m experiments.ablate --config=configs/grpo_synth.py --sweep=attention:dense,nsa,squid \\
+        --seeds=2 --set train.steps=30 --set eval.every=10
+    python -m experiments.ablate --config=configs/grpo_synth.py:loss=dapo \\
+        --sweep=rollout.group_size:4,8,16 --sweep=model.attention.kind:dense,squid --seed_list=0,2
+
+Each run is ``python -m experiments.train --config=<file>[:<arg>] --config.<field>=<value> ...
+--config.seed=<s> --config.workdir=<out_dir>/<label>/seed<s>``, run one after the other.
+
+Sweeps (``--sweep=KEY:V1,V2,...``; several flags make their cartesian product). KEY is
+
+  1. a config field, by its dotted path (``rollout.group_size``), passed as ``--config.KEY=V``;
+  2. else the end of exactly one field's path (``attention.kind`` -> ``model.attention.kind``;
+     an ending shared by several fields, e.g. ``steps``, is an error that lists them);
+  3. else a name of the config file's argument (grpo_synth.py: ``loss``, ``attention``, ``mlp``),
+     passed after the ':' of ``--config`` and combined with the argument given there
+     (``--config=configs/grpo_synth.py:attention=nsa,loss=dapo``).
+
+  Prefer ``attention`` (the argument) to ``model.attention.kind`` in grpo_synth.py: the argument
+  also sets NSA's block sizes for these short sequences, the field alone keeps the module's
+  defaults. Values are split at commas outside brackets (``--sweep=task.levels:(1,),(1,2)``) and
+  parsed as the field's type (int, float, bool, str, tuple); every variant's config is built and
+  checked by the job's `validate_config` before the first run starts.
+
+Fixed overrides for every run: ``--set FIELD=VALUE`` (repeatable, resolved like sweep keys; a
+``--config.FIELD=VALUE`` flag means the same). Seeds: ``--seeds=N`` (0..N-1, default 1) or
+``--seed_list=0,2``.
+
+Layout: ``--out_dir`` (default ``runs/ablate/<name>``; ``--name`` defaults to the sweep keys joined
+by '+') holds ``<label>/seed<s>/``, the run's workdir, with ``log.txt`` (the run's stdout and
+stderr, appended over attempts), ``command.txt`` (the exact command of the latest attempt) and
+``ablate_status.json`` (exit code, seconds and log tail of the latest attempt). A label is
+``field=value`` joined by ',' (e.g. ``loss=dapo,model.attention.kind=nsa``), with characters
+other than letters, digits and ``._=,+@-`` replaced by '_'.
+
+Resuming: run the same command again. A run whose summary.json says completed is skipped; a
+run that started (its workdir has config.json or checkpoints) is continued with
+``--config.resume=True``; a failed run (non-zero exit) is recorded with its log tail and the grid
+goes on (the exit status is then 1). Ctrl-C (or SIGTERM) stops the current run with one SIGINT
+(it saves a checkpoint at the end of its step; Ctrl-C again kills it), writes the partial table
+and exits with status 130. ``--dry_run`` prints the commands; ``--table_only`` rebuilds the table
+and figure from the run directories without running anything.
+
+Writes (``--results_dir`` / ``--fig_dir`` change the directories; with only ``--results_dir``
+the PNG goes next to the JSON, see `experiments.cli.output_paths`):
+
+  results/ablate_<name>.json   the command, sweep, overrides, seeds; per run its label, variant,
+                               seed, workdir, status, final metrics and curves ({tag: [[step,
+                               value], ...]} of the metric and best-of-n at every eval, and of
+                               rollout/pass@1 and rollout/reward as means over <= 100 windows of
+                               steps); the per-variant table rows
+  results/ablate_<name>.md     the table as markdown, headed by the exact command
+  results/ablate_<name>.csv    the table as CSV (means and sample stds in separate columns)
+  docs/figures/ablate_<name>.png  one line per variant (mean over its seeds, min-max shaded) in
+                               panels: the metric, best-of-n, the training reward
+
+Table columns, per variant, as mean ± sample std over its completed seeds (one seed: its value;
+read from each run's tb/metrics.jsonl and summary.json): the final (last eval's) value of ``--metric`` (default
+eval_fresh/pass@1 when every run logged it, else eval/pass@1) and of best-of-n of the same eval
+set (``<set>/best_of_<eval.num_samples>``), the first step at which the metric reached
+``--threshold`` (default 0.1; "k/n reached", the mean over the runs that reached it), the final
+eval's mean completion length (``<set>/length``, tokens), and the wall time in minutes
+(summary.json's `seconds`: the last attempt's, for a resumed run). `plot_ablation(data, path)`
+and `markdown_table(data)` redraw the figure and table from the JSON alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import csv
+import dataclasses
+import difflib
+import hashlib
+import importlib.util
+import io
+import itertools
+import json
+import math
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from experiments.cli import FLAG_ALIASES, output_paths
+from experiments.plot_training import find_jsonl_dir, mean_series, run_series
+from experiments.summarize_runs import _mean_std
+from rlcode.train.metrics import read_jsonl
+
+DEFAULT_THRESHOLD = 0.1
+TRAIN_MODULE = "experiments.train"
+TRAIN_TAGS = ("rollout/pass@1", "rollout/reward")  # per-step training scalars kept (thinned) in the JSON
+REWARD_TAG = "rollout/reward"
+CURVE_POINTS = 100  # at most this many points per thinned training curve
+RESERVED = {"seed": "--seeds / --seed_list", "workdir": "--out_dir", "resume": "rerunning the same command"}
+STATUS_FILE = "ablate_status.json"
+LOG_TAIL_LINES = 30
+
+
+class AblationError(ValueError):
+    """A sweep or override the ablation cannot run (raised before any run starts)."""
+
+
+# ------------------------------------------------------------------------------ config handling
+
+
+def split_config_spec(spec: str) -> tuple[str, str | None]:
+    """'configs/x.py:a=1,b=2' -> ('configs/x.py', 'a=1,b=2'); no ':' -> (path, None), as config_flags."""
+    path, sep, arg = spec.partition(":")
+    return path, (arg if sep else None)
+
+
+def load_config_module(path: str) -> Any:
+    if not os.path.isfile(path):
+        raise AblationError(f"config file {path!r} not found (relative to {os.getcwd()})")
+    name = "ablate_" + re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0]) + "_config"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def config_leaves(cfg: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted path -> value of every field of a ConfigDict that is not itself a ConfigDict."""
+    import ml_collections  # noqa: PLC0415
+
+    out = {}
+    for name, value in cfg.items():
+        if isinstance(value, ml_collections.ConfigDict):
+            out.update(config_leaves(value, prefix + name + "."))
+        else:
+            out[prefix + name] = value
+    return out
+
+
+def split_values(text: str) -> list[str]:
+    """Split at commas outside (), [] and {}: 'a,(1,2),b' -> ['a', '(1,2)', 'b']."""
+    items, depth, current = [], 0, []
+    for ch in text:
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        if ch == "," and depth == 0:
+            items.append("".join(current))
+            current = []
+        else:
+            current.append(ch)
+    items.append("".join(current))
+    return [item.strip() for item in items]
+
+
+def parse_value(text: str, current: Any) -> Any:
+    """`text` parsed as the type of the field's current value, as config_flags parses
+    `--config.<field>=<text>`: bool (true/false/1/0, any case), int, float, tuple (a Python
+    literal), str (as is). Raises ValueError naming the expected type, and for a field holding
+    None, which config_flags cannot override."""
+    from absl import flags  # noqa: PLC0415
+
+    if isinstance(current, bool):
+        parser, kind = flags.BooleanParser(), "bool"
+    elif isinstance(current, int):
+        parser, kind = flags.IntegerParser(), "int"
+    elif isinstance(current, float):
+        parser, kind = flags.FloatParser(), "float"
+    elif isinstance(current, str):
+        return text
+    elif isinstance(current, (tuple, list)):
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            raise ValueError(f"{text!r} is not a tuple literal such as (1, 2)") from None
+        if not isinstance(value, (tuple, list)):
+            raise ValueError(f"{text!r} is not a tuple literal such as (1, 2) or (1,)")
+        return tuple(value)
+    else:  # None (or a dict, ...): config_flags defines no flag for such a field
+        raise ValueError(f"{text!r}: the field holds {current!r}, which the job's command line cannot override "
+                         "(config_flags needs a bool, int, float, str or tuple default)")
+    try:
+        return parser.parse(text)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{text!r} is not a valid {kind} ({e})") from None
+
+
+def combine_args(*args: str | None) -> str | None:
+    """Config-file arguments 'a=1,b=2' merged left to right; a later name replaces an earlier one."""
+    items: dict[str, str] = {}
+    seen_any = False
+    for arg in args:
+        if arg is None:
+            continue
+        seen_any = True
+        for item in filter(None, (x.strip() for x in arg.split(","))):
+            name = item.partition("=")[0]
+            items.pop(name, None)
+            items[name] = item
+    return ",".join(items.values()) if seen_any else None
+
+
+@dataclasses.dataclass
+class ConfigContext:
+    """The config file of the ablation: its module, the argument given in --config, the base
+    config's fields."""
+
+    path: str
+    arg: str | None
+    module: Any
+    leaves: dict[str, Any]
+
+    @classmethod
+    def load(cls, spec: str) -> ConfigContext:
+        path, arg = split_config_spec(spec)
+        module = load_config_module(path)
+        return cls(path, arg, module, config_leaves(cls.get_config(module, arg)))
+
+    @staticmethod
+    def get_config(module: Any, arg: str | None) -> Any:
+        return module.get_config(arg) if arg is not None else module.get_config()
+
+    def arg_names(self) -> set[str] | None:
+        """Names the config argument accepts, from the module's ARGS ('name=value' examples); None
+        when the module has no ARGS."""
+        args = getattr(self.module, "ARGS", None)
+        return None if args is None else {a.partition("=")[0] for a in args}
+
+    def try_arg(self, item: str) -> Exception | None:
+        try:
+            self.get_config(self.module, combine_args(self.arg, item))
+        except Exception as e:  # noqa: BLE001 (any failure of get_config rejects the value)
+            return e
+        return None
+
+
+@dataclasses.dataclass
+class Axis:
+    """One swept (or fixed, for --set) key: `target` is the field's full path (kind 'field') or
+    the config argument's name (kind 'arg'); `texts` as given, `values` parsed."""
+
+    key: str
+    target: str
+    kind: str
+    texts: list[str]
+    values: list[Any]
+
+    def describe(self) -> dict:
+        return {"key": self.key, "target": self.target, "kind": self.kind,
+                "values": [_jsonable(v) for v in self.values]}
+
+
+def resolve_key(key: str, ctx: ConfigContext, texts: Sequence[str] = (), what: str = "--sweep") -> Axis:
+    """The Axis of `key` with values `texts` (see the module docstring for the rules). Raises
+    AblationError for a reserved, ambiguous or unknown key, or a value of the wrong type."""
+    key = key.strip()
+    if not key:
+        raise AblationError(f"{what}: empty key")
+    target = FLAG_ALIASES.get(f"--config.{key}", f"--config.{key}")[len("--config."):]
+    reserved = target if target in RESERVED else key if key in RESERVED else None
+    if reserved:
+        raise AblationError(f"{what} {key}: set by the ablation itself; use {RESERVED[reserved]}")
+    if target in ctx.leaves:
+        return _field_axis(key, target, texts, ctx, what)
+    suffix = [p for p in ctx.leaves if p.endswith("." + key)]
+    if len(suffix) == 1:
+        return _field_axis(key, suffix[0], texts, ctx, what)
+    if len(suffix) > 1:
+        raise AblationError(f"{what} key {key!r} is ambiguous: it ends the paths of {len(suffix)} config fields "
+                            f"({', '.join(sorted(suffix))}); give the full path")
+    names = ctx.arg_names()
+    errors = {text: ctx.try_arg(f"{key}={text}") for text in texts}
+    if (names is not None and key in names) or (names is None and texts and not all(errors.values())):
+        bad = {t: e for t, e in errors.items() if e is not None}
+        if bad:
+            details = "; ".join(f"{key}={t}: {str(e).splitlines()[-1] if str(e) else type(e).__name__}"
+                                for t, e in bad.items())
+            raise AblationError(f"{what} {key}: the config argument of {ctx.path} rejects {details}")
+        return Axis(key, key, "arg", list(texts), list(texts))
+    candidates = sorted(ctx.leaves) + sorted({p.rsplit(".", 1)[-1] for p in ctx.leaves}) + sorted(names or ())
+    near = list(dict.fromkeys(difflib.get_close_matches(key, candidates, n=5, cutoff=0.5) +
+                              [p for p in sorted(ctx.leaves) if key in p][:5]))[:6]
+    hint = f"; nearest: {', '.join(near)}" if near else ""
+    args = f" or a config argument ({', '.join(sorted(names))})" if names else ""
+    raise AblationError(f"{what}: unknown key {key!r}: not a field of {ctx.path}, the end of one field's path"
+                        f"{args}{hint}")
+
+
+def _field_axis(key: str, path: str, texts: Sequence[str], ctx: ConfigContext, what: str) -> Axis:
+    values = []
+    for text in texts:
+        try:
+            values.append(parse_value(text, ctx.leaves[path]))
+        except ValueError as e:
+            raise AblationError(f"{what} {key}: value {e} for {path} (currently {ctx.leaves[path]!r})") from None
+    return Axis(key, path, "field", list(texts), values)
+
+
+def parse_sweep(spec: str, ctx: ConfigContext) -> Axis:
+    """'KEY:V1,V2,...' -> Axis."""
+    key, sep, values = spec.partition(":")
+    texts = split_values(values) if sep else []
+    if not sep or not any(texts) or any(t == "" for t in texts):
+        raise AblationError(f"--sweep={spec!r}: expected KEY:VALUE1,VALUE2,... (no empty values)")
+    if len(set(texts)) < len(texts):
+        raise AblationError(f"--sweep={spec!r}: a value is listed twice")
+    return resolve_key(key, ctx, texts)
+
+
+def parse_set(spec: str, ctx: ConfigContext) -> Axis:
+    """'KEY=VALUE' -> an Axis of one value."""
+    key, sep, value = spec.partition("=")
+    if not sep:
+        raise AblationError(f"--set {spec!r}: expected FIELD=VALUE")
+    return resolve_key(key, ctx, [value], what="--set")
+
+
+# ------------------------------------------------------------------------------ the grid
+
+
+def safe_label(text: str) -> str:
+    """A directory name: characters other than letters, digits and ._=,+@- become '_'; a long
+    name is cut and completed by a hash of the whole."""
+    label = re.sub(r"[^A-Za-z0-9._=,+@-]", "_", text) or "default"
+    if label.startswith(("-", ".")):
+        label = "_" + label
+    if len(label) > 120:
+        label = label[:100] + "-" + hashlib.sha1(text.encode()).hexdigest()[:10]
+    return label
+
+
+@dataclasses.dataclass
+class Variant:
+    label: str
+    variant: dict[str, Any]  # target -> value (the swept keys only)
+    arg: str | None  # the config argument
+    fields: list[tuple[str, str, Any]]  # (path, text, value) of --set and swept fields, in order
+
+
+@dataclasses.dataclass
+class Run:
+    label: str
+    variant: dict[str, Any]
+    seed: int
+    workdir: str
+    arg: str | None
+    fields: list[tuple[str, str, Any]]
+
+
+def make_variants(ctx: ConfigContext, axes: Sequence[Axis], sets: Sequence[Axis]) -> list[Variant]:
+    """The cartesian product of the sweep axes (first axis slowest), with the --set overrides."""
+    set_args = combine_args(*(f"{a.target}={a.texts[0]}" for a in sets if a.kind == "arg")) if any(
+        a.kind == "arg" for a in sets) else None
+    set_fields = [(a.target, a.texts[0], a.values[0]) for a in sets if a.kind == "field"]
+    targets = [a.target for a in axes]
+    if len(set(targets)) < len(targets):
+        raise AblationError(f"--sweep: a key is swept twice ({', '.join(targets)})")
+    clash = set(targets) & {a.target for a in sets}
+    if clash:
+        raise AblationError(f"{', '.join(sorted(clash))}: both swept and fixed by --set")
+    variants, labels = [], {}
+    for combo in itertools.product(*(range(len(a.texts)) for a in axes)):
+        chosen = [(a, i) for a, i in zip(axes, combo)]
+        arg_items = [f"{a.target}={a.texts[i]}" for a, i in chosen if a.kind == "arg"]
+        arg = combine_args(ctx.arg, set_args, *arg_items)
+        fields = set_fields + [(a.target, a.texts[i], a.values[i]) for a, i in chosen if a.kind == "field"]
+        text = ",".join(f"{a.target}={a.texts[i]}" for a, i in chosen) or "default"
+        label = safe_label(text)
+        if label in labels:
+            raise AblationError(f"variants {labels[label]!r} and {text!r} have the same directory name {label!r}")
+        labels[label] = text
+        variants.append(Variant(label, {a.target: a.values[i] for a, i in chosen}, arg, fields))
+    return variants
+
+
+def config_argv(config_path: str, arg: str | None, fields: Sequence[tuple[str, str, Any]]) -> list[str]:
+    """The config flags of a variant: --config=<file>[:<arg>] and --config.<field>=<text>."""
+    spec = config_path if arg is None else f"{config_path}:{arg}"
+    return [f"--config={spec}"] + [f"--config.{path}={text}" for path, text, _ in fields]
+
+
+def build_config(config_path: str, arg: str | None, fields: Sequence[tuple[str, str, Any]]) -> Any:
+    """The config a run of this variant gets (before seed and workdir): the config module's
+    get_config(arg) with the field overrides applied by config_flags from the very flags the
+    run is given, so a flag the job would reject fails here."""
+    from absl import flags  # noqa: PLC0415
+    from ml_collections import config_flags  # noqa: PLC0415
+
+    argv = ["ablate", *config_argv(config_path, arg, fields)]
+    values = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, "Experiment config.", flag_values=values, sys_argv=argv)
+    values(argv)
+    return values.config
+
+
+JOB_MODULES = {"synth": "rlcode.train.loop", "agent": "rlcode.train.agent"}  # as experiments/train.py picks
+
+
+def validate_variants(ctx: ConfigContext, variants: Sequence[Variant]) -> None:
+    """Build every variant's config and run its job's own config check (`validate_config` of
+    rlcode.train.loop, or of rlcode.train.agent for ``job = "agent"``); raise AblationError
+    naming the variant on the first failure."""
+    for v in variants:
+        try:
+            cfg = build_config(ctx.path, v.arg, v.fields)
+            job = importlib.import_module(JOB_MODULES.get(cfg.get("job", "synth"), JOB_MODULES["synth"]))
+            if hasattr(job, "validate_config"):
+                job.validate_config(cfg)
+        except Exception as e:  # noqa: BLE001
+            lines = [line for line in str(e).splitlines() if line.strip()]
+            raise AblationError(f"variant {v.label}: {type(e).__name__}: {lines[-1] if lines else ''}") from None
+
+
+def make_runs(variants: Sequence[Variant], seeds: Sequence[int], out_dir: str) -> list[Run]:
+    """Seed-major order: every variant's first seed before any second seed, so a partial grid
+    already compares all variants."""
+    return [Run(v.label, v.variant, s, os.path.join(out_dir, v.label, f"seed{s}"), v.arg, v.fields)
+            for s in seeds for v in variants]
+
+
+def run_command(run: Run, config_path: str, resume: bool, train_module: str = TRAIN_MODULE,
+                python: str = sys.executable) -> list[str]:
+    cmd = [python, "-m", train_module, *config_argv(config_path, run.arg, run.fields)]
+    cmd += [f"--config.seed={run.seed}", f"--config.workdir={run.workdir}"]
+    if resume:
+        cmd.append("--config.resume=True")
+    return cmd
+
+
+def read_summary(workdir: str) -> dict | None:
+    try:
+        with open(os.path.join(workdir, "summary.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def run_state(workdir: str) -> str:
+    """'completed' (summary.json says so: skip), 'started' (config.json or checkpoints exist:
+    continue with resume=True) or 'new'."""
+    summary = read_summary(workdir)
+    if summary and summary.get("completed"):
+        return "completed"
+    if os.path.exists(os.path.join(workdir, "config.json")) or os.path.isdir(os.path.join(workdir, "checkpoints")):
+        return "started"
+    return "new"
+
+
+def log_tail(path: str, lines: int = LOG_TAIL_LINES, start: int = 0) -> str:
+    """The last `lines` lines of the file from byte `start` (progress-bar carriage returns as
+    line breaks)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(start)
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    rows = [r for r in text.replace("\r", "\n").split("\n") if r.strip()]
+    return "\n".join(rows[-lines:])
+
+
+class Interrupted(Exception):
+    """The user stopped the grid (Ctrl-C or SIGTERM)."""
+
+
+def execute(run: Run, cmd: Sequence[str], say=print) -> dict:
+    """Run `cmd` with its output appended to <workdir>/log.txt; Ctrl-C sends the child one SIGINT
+    (it checkpoints and exits), a second one kills it, then Interrupted is raised. Returns (and
+    writes to <workdir>/ablate_status.json) {"status", "returncode", "seconds", "log_tail"}."""
+    os.makedirs(run.workdir, exist_ok=True)
+    with open(os.path.join(run.workdir, "command.txt"), "w") as f:
+        f.write(shlex.join(cmd) + "\n")
+    log_path = os.path.join(run.workdir, "log.txt")
+    interrupted = False
+    t0 = time.perf_counter()
+    with open(log_path, "ab") as log:
+        start = log.tell()
+        log.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(cmd)}\n".encode())
+        log.flush()
+        # Its own session: a terminal's Ctrl-C reaches only this process, which forwards exactly
+        # one SIGINT (a second signal would make the job abort without its checkpoint).
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+        try:
+            returncode = proc.wait()
+        except KeyboardInterrupt:
+            interrupted = True
+            say(f"  interrupted: stopping {run.label} seed {run.seed} (it saves a checkpoint); "
+                "Ctrl-C again kills it")
+            try:
+                proc.send_signal(signal.SIGINT)
+                returncode = proc.wait()
+            except KeyboardInterrupt:
+                proc.kill()
+                returncode = proc.wait()
+    seconds = time.perf_counter() - t0
+    summary = read_summary(run.workdir)
+    if summary and summary.get("completed") and returncode == 0:
+        status = "completed"
+    elif interrupted:
+        status = "interrupted"
+    else:
+        status = "failed"
+    info = {"status": status, "returncode": returncode, "seconds": seconds,
+            "log_tail": "" if status == "completed" else log_tail(log_path, start=start)}
+    with open(os.path.join(run.workdir, STATUS_FILE), "w") as f:
+        json.dump(info, f, indent=1)
+    if interrupted:
+        raise Interrupted(info)
+    return info
+
+
+def run_status(workdir: str) -> dict:
+    """Status of a run directory without running it: completed / failed / interrupted /
+    incomplete / missing, with the log tail of a failure."""
+    summary = read_summary(workdir)
+    if summary and summary.get("completed"):
+        return {"status": "completed"}
+    try:
+        with open(os.path.join(workdir, STATUS_FILE)) as f:
+            info = json.load(f)
+        if info.get("status") in ("failed", "interrupted"):
+            return {"status": info["status"], "returncode": info.get("returncode"),
+                    "log_tail": info.get("log_tail", "")}
+    except (OSError, ValueError):
+        pass
+    return {"status": "incomplete" if os.path.isdir(workdir) else "missing"}
+
+
+# ------------------------------------------------------------------------------ results
+
+
+def _finite(x: Any) -> float | None:
+    return float(x) if x is not None and math.isfinite(float(x)) else None
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, tuple):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, float):
+        return _finite(v)
+    return v
+
+
+def thin(steps: Sequence[int], values: Sequence[float], points: int = CURVE_POINTS) -> tuple[list[int], list[float]]:
+    """At most `points` points: the mean value over consecutive windows of ceil(n / points)
+    logged steps, at each window's last step (NaN values ignored; an all-NaN window is NaN)."""
+    n = len(steps)
+    if n <= points:
+        return list(steps), list(values)
+    w = math.ceil(n / points)
+    out_s, out_v = [], []
+    for i in range(0, n, w):
+        chunk = np.asarray(values[i:i + w], np.float64)
+        out_s.append(int(steps[min(i + w, n) - 1]))
+        out_v.append(float(np.nanmean(chunk)) if np.isfinite(chunk).any() else math.nan)
+    return out_s, out_v
+
+
+def choose_metric(run_dirs: Sequence[str]) -> str:
+    """eval_fresh/pass@1 when every run that logged eval/pass@1 also logged it, else eval/pass@1."""
+    seen_eval = seen_fresh = 0
+    for d in run_dirs:
+        try:
+            records = read_jsonl(find_jsonl_dir(d))
+        except (FileNotFoundError, OSError):
+            continue
+        keys = set().union(*records) if records else set()
+        seen_eval += "eval/pass@1" in keys
+        seen_fresh += "eval/pass@1" in keys and "eval_fresh/pass@1" in keys
+    return "eval_fresh/pass@1" if seen_eval and seen_fresh == seen_eval else "eval/pass@1"
+
+
+def first_reach(steps: Sequence[int], values: Sequence[float], threshold: float) -> int | None:
+    """The first step whose value is >= threshold, or None."""
+    for s, v in zip(steps, values):
+        if v is not None and math.isfinite(v) and v >= threshold:
+            return int(s)
+    return None
+
+
+def run_results(workdir: str, metric: str, threshold: float) -> dict:
+    """Final metrics and curves of one run directory (empty when it logged nothing yet)."""
+    prefix = metric.split("/", 1)[0]
+    out: dict[str, Any] = {"final": {}, "curves": {}, "best_of_key": None}
+    try:
+        jsonl_dir = find_jsonl_dir(workdir)
+    except FileNotFoundError:
+        return out
+    records = read_jsonl(jsonl_dir)
+    keys = set().union(*records) if records else set()
+    best = sorted((k for k in keys if re.fullmatch(re.escape(prefix) + r"/best_of_\d+", k)),
+                  key=lambda k: int(k.rsplit("_", 1)[1]))
+    best_key = best[-1] if best else None
+    length_key = f"{prefix}/length"
+    tags = [metric] + ([best_key] if best_key else []) + [length_key] + list(TRAIN_TAGS)
+    series = run_series(workdir, tags)
+    curves = {}
+    for tag in [metric, best_key]:
+        if tag in series:
+            curves[tag] = [[s, _finite(v)] for s, v in zip(*series[tag])]
+    for tag in TRAIN_TAGS:
+        if tag in series:
+            pairs = [(s, v) for s, v in zip(*series[tag]) if s >= 0]
+            s, v = thin([p[0] for p in pairs], [p[1] for p in pairs])
+            curves[tag] = [[a, _finite(b)] for a, b in zip(s, v)]
+    last = lambda tag: _finite(series[tag][1][-1]) if tag in series and series[tag][1] else None
+    final = {"metric": last(metric), "best_of": last(best_key) if best_key else None, "length": last(length_key),
+             "steps_to_threshold": first_reach(*series[metric], threshold) if metric in series else None}
+    summary = read_summary(workdir)
+    if summary and summary.get("seconds") is not None:
+        final["minutes"] = summary["seconds"] / 60
+    else:
+        walls = [r["wall_time"] for r in records if "wall_time" in r]
+        final["minutes"] = (max(walls) - min(walls)) / 60 if len(walls) > 1 else None
+    if summary:
+        final["steps_done"] = summary.get("steps_done")
+    else:
+        final["steps_done"] = max(r["step"] for r in records) if records else None
+    out.update(final=final, curves=curves, best_of_key=best_key)
+    return out
+
+
+def _stat(values: Sequence[float | None]) -> dict:
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return {"mean": None, "std": None, "n": 0}
+    mean, std = _mean_std(vals)
+    return {"mean": mean, "std": std if len(vals) > 1 else None, "n": len(vals)}  # no sample std of one value
+
+
+def aggregate(runs: Sequence[dict]) -> list[dict]:
+    """Per-variant rows (in the runs' first-seen label order), over the completed runs."""
+    order: dict[str, list[dict]] = {}
+    for r in runs:
+        order.setdefault(r["label"], []).append(r)
+    rows = []
+    for label, group in order.items():
+        done = [r for r in group if r["status"] == "completed"]
+        reach = [r["final"].get("steps_to_threshold") for r in done]
+        steps = _stat(reach)
+        steps["reached"] = sum(x is not None for x in reach)
+        steps["n"] = len(done)
+        rows.append({
+            "label": label, "variant": group[0]["variant"], "seeds": [r["seed"] for r in group],
+            "runs": len(group), "completed": len(done), "failed": sum(r["status"] == "failed" for r in group),
+            "final": _stat([r["final"].get("metric") for r in done]),
+            "best_of": _stat([r["final"].get("best_of") for r in done]),
+            "steps_to_threshold": steps,
+            "length": _stat([r["final"].get("length") for r in done]),
+            "minutes": _stat([r["final"].get("minutes") for r in done]),
+        })
+    return rows
+
+
+def summarize_grid(runs: Sequence[dict], metric: str | None = None, threshold: float = DEFAULT_THRESHOLD,
+                   **meta: Any) -> dict:
+    """The results dict (the JSON) of `runs`: [{label, variant, seed, workdir}, ...]; each run's
+    status comes from its directory. `meta` (command, sweep, overrides, seeds, ...) is copied in."""
+    metric = metric or choose_metric([r["workdir"] for r in runs])
+    out_runs = []
+    best_keys = []
+    for r in runs:
+        entry = {"label": r["label"], "variant": {k: _jsonable(v) for k, v in r["variant"].items()},
+                 "seed": r["seed"], "workdir": r["workdir"], **run_status(r["workdir"])}
+        res = run_results(r["workdir"], metric, threshold)
+        entry["final"], entry["curves"] = res["final"], res["curves"]
+        if res["best_of_key"]:
+            best_keys.append(res["best_of_key"])
+        out_runs.append(entry)
+    prefix = metric.split("/", 1)[0]
+    best = max(set(best_keys), key=best_keys.count) if best_keys else f"{prefix}/best_of_n"
+    data = dict(meta)
+    data.update(metric=metric, best_of=best, length=f"{prefix}/length", train_tag=REWARD_TAG, threshold=threshold,
+                runs=out_runs, table=aggregate(out_runs))
+    return data
+
+
+# ------------------------------------------------------------------------------ table and figure
+
+
+def _fmt(stat: dict, digits: int = 3) -> str:
+    if not stat or stat.get("mean") is None:
+        return "—"
+    if stat["n"] < 2:
+        return f"{stat['mean']:.{digits}f}"
+    return f"{stat['mean']:.{digits}f} ± {stat['std']:.{digits}f}"
+
+
+def _steps_text(stat: dict) -> str:
+    text = f"{stat['reached']}/{stat['n']} reached"
+    return text + (f", {_fmt(dict(stat, n=stat['reached']), 0)}" if stat["reached"] else "")
+
+
+def markdown_table(data: dict) -> str:
+    """The results table of `data` (the JSON dict) as markdown, headed by the command."""
+    m, thr = data["metric"], data["threshold"]
+    lines = []
+    if data.get("command"):
+        lines += [f"`{data['command']}`", ""]
+    lines += [f"| variant | seeds completed | final {m} | final {data['best_of']} | steps to {m} ≥ {thr:g} "
+              f"| mean length ({data['length']}) | wall time (min) |",
+              "|---|---|---|---|---|---|---|"]
+    for row in data["table"]:
+        done = f"{row['completed']}/{row['runs']}" + (f" ({row['failed']} failed)" if row["failed"] else "")
+        lines.append(f"| {row['label']} | {done} | {_fmt(row['final'])} | {_fmt(row['best_of'])} | "
+                     f"{_steps_text(row['steps_to_threshold'])} | {_fmt(row['length'], 1)} | "
+                     f"{_fmt(row['minutes'], 1)} |")
+    lines += ["", f"Mean ± sample std over each variant's completed seeds; final = last evaluation. "
+              f"Steps to threshold: first evaluated step with {m} ≥ {thr:g}, mean over the seeds that reached it."]
+    failed = [r for r in data["runs"] if r["status"] not in ("completed", "missing")]
+    missing = [r for r in data["runs"] if r["status"] == "missing"]
+    if failed or missing:
+        lines += ["", "Not completed:"]
+        if missing:
+            lines.append(f"- {len(missing)} run(s) not started: "
+                         + ", ".join(f"{r['label']} seed {r['seed']}" for r in missing))
+        for r in failed:
+            tail = (r.get("log_tail") or "").strip().splitlines()
+            lines.append(f"- {r['label']} seed {r['seed']}: {r['status']}"
+                         + (f" (exit {r['returncode']})" if r.get("returncode") is not None else "")
+                         + (f": `{tail[-1][:200]}`" if tail else "") + f" — {r['workdir']}")
+    return "\n".join(lines) + "\n"
+
+
+CSV_STATS = ("final", "best_of", "steps_to_threshold", "length", "minutes")
+
+
+def csv_table(data: dict) -> str:
+    """The table as CSV: label, the swept keys, run counts, then mean and std per column."""
+    keys = list(dict.fromkeys(k for row in data["table"] for k in row["variant"]))
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    header = ["label", *keys, "runs", "completed", "failed"]
+    for name in CSV_STATS:
+        header += ([f"{name}_reached"] if name == "steps_to_threshold" else []) + [f"{name}_mean", f"{name}_std"]
+    writer.writerow(header)
+    for row in data["table"]:
+        line = [row["label"], *[json.dumps(row["variant"].get(k)) if isinstance(row["variant"].get(k), list)
+                                else row["variant"].get(k) for k in keys], row["runs"], row["completed"], row["failed"]]
+        for name in CSV_STATS:
+            stat = row[name]
+            if name == "steps_to_threshold":
+                line.append(stat["reached"])
+            line += ["" if stat["mean"] is None else stat["mean"], "" if stat["std"] is None else stat["std"]]
+        writer.writerow(line)
+    return out.getvalue()
+
+
+def _panel_runs(data: dict, label: str, tag_of) -> list[tuple[list[int], list[float]]]:
+    runs = [r for r in data["runs"] if r["label"] == label]
+    done = [r for r in runs if r["status"] == "completed"]
+    out = []
+    for r in done or runs:
+        tag = tag_of(r)
+        if tag and r["curves"].get(tag):
+            pts = r["curves"][tag]
+            out.append(([p[0] for p in pts], [math.nan if p[1] is None else p[1] for p in pts]))
+    return out
+
+
+def plot_ablation(data: dict, path: str) -> str:
+    """Draw the ablation figure of `data` (the JSON dict) into the PNG `path`: per variant the
+    mean over its completed seeds (all its runs if none completed) with the min-max band, in
+    panels for the metric, best-of-n and the training reward. Returns `path`."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415
+    from matplotlib.figure import Figure  # noqa: PLC0415
+
+    def best_tag(r):
+        return next((t for t in r["curves"] if "/best_of_" in t), None)
+
+    panels = [(data["metric"], lambda r: data["metric"]), (data["best_of"], best_tag),
+              (f"{data['train_tag']} (training)", lambda r: data["train_tag"])]
+    labels = [row["label"] for row in data["table"]]
+    height = max(3.8, 0.25 * len(labels) + 1.0) + (0.5 if data.get("command") else 0)
+    fig = Figure(figsize=(5.0 * len(panels) + 2.5, height), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(panels), squeeze=False).ravel()
+    for ax, (title, tag_of) in zip(axes, panels):
+        for i, label in enumerate(labels):
+            per_run = _panel_runs(data, label, tag_of)
+            if not per_run:
+                continue
+            steps, avg = mean_series(per_run)
+            if not steps:
+                continue
+            lookups = [dict(zip(s, v)) for s, v in per_run]
+            stack = np.array([[lk[s] for s in steps] for lk in lookups], np.float64)
+            color = f"C{i % 10}"
+            ax.plot(steps, avg, color=color, lw=1.8, label=f"{label} (n={len(per_run)})")
+            if len(per_run) > 1:
+                ax.fill_between(steps, np.nanmin(stack, axis=0), np.nanmax(stack, axis=0), color=color,
+                                alpha=0.15, lw=0)
+        if title == data["metric"]:
+            ax.axhline(data["threshold"], color="gray", ls=":", lw=1)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    handles, names = axes[0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, names, loc="outside right upper", fontsize="small")
+    fig.suptitle(f"ablation: mean over seeds, min-max shaded (threshold {data['threshold']:g})")
+    if data.get("command"):
+        fig.supxlabel("\n".join(textwrap.wrap(data["command"], 75 * len(panels))), fontsize="x-small",
+                      family="monospace")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=130)
+    return path
+
+
+def write_outputs(data: dict, json_path: str, png_path: str) -> dict[str, str]:
+    """results JSON, .md and .csv next to it, and the PNG. Returns {kind: path}."""
+    base = os.path.splitext(json_path)[0]
+    paths = {"json": json_path, "md": base + ".md", "csv": base + ".csv", "png": png_path}
+    os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+    with open(paths["json"], "w") as f:
+        json.dump(data, f, indent=1, allow_nan=False)
+    with open(paths["md"], "w") as f:
+        f.write(markdown_table(data))
+    with open(paths["csv"], "w", newline="") as f:
+        f.write(csv_table(data))
+    plot_ablation(data, png_path)
+    return paths
+
+
+# ------------------------------------------------------------------------------ command line
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m experiments.ablate", description=__doc__.split("\n")[0],
+                                     allow_abbrev=False)
+    parser.add_argument("--config", default="configs/grpo_synth.py", help="config file[:argument]")
+    parser.add_argument("--sweep", action="append", default=[], help="KEY:V1,V2,... (repeatable: cartesian grid)")
+    parser.add_argument("--set", action="append", default=[], dest="sets", metavar="FIELD=VALUE",
+                        help="fixed override for every run (repeatable)")
+    parser.add_argument("--seeds", type=int, default=None, help="seeds 0..N-1 (default 1)")
+    parser.add_argument("--seed_list", default=None, help="comma-separated seeds, e.g. 0,2")
+    parser.add_argument("--name", default=None, help="default: the sweep keys joined by '+'")
+    parser.add_argument("--out_dir", default=None, help="default: runs/ablate/<name>")
+    parser.add_argument("--metric", default=None, help="default: eval_fresh/pass@1 if logged, else eval/pass@1")
+    parser.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD, help="for steps-to-threshold")
+    parser.add_argument("--results_dir", default=None, help="default: results")
+    parser.add_argument("--fig_dir", default=None, help="default: docs/figures (next to the JSON with --results_dir)")
+    parser.add_argument("--dry_run", action="store_true", help="print the commands, run nothing")
+    parser.add_argument("--table_only", action="store_true", help="rebuild table and figure from the run directories")
+    parser.add_argument("--train_module", default=TRAIN_MODULE, help=argparse.SUPPRESS)
+    args, unknown = parser.parse_known_args(argv)
+    for item in unknown:  # --config.FIELD=VALUE, as on experiments.train's command line
+        if item.startswith("--config.") and "=" in item:
+            args.sets.append(item[len("--config."):])
+        else:
+            parser.error(f"unrecognized argument {item!r}")
+    if args.seeds is not None and args.seed_list is not None:
+        parser.error("give --seeds or --seed_list, not both")
+    if args.seed_list is not None:
+        try:
+            args.seed_values = [int(s) for s in args.seed_list.split(",") if s.strip()]
+        except ValueError:
+            parser.error(f"--seed_list={args.seed_list!r}: expected comma-separated integers")
+    else:
+        if args.seeds is not None and args.seeds < 1:
+            parser.error("--seeds must be >= 1")
+        args.seed_values = list(range(args.seeds or 1))
+    if not args.seed_values or len(set(args.seed_values)) < len(args.seed_values):
+        parser.error("seeds must be distinct and at least one")
+    if args.dry_run and args.table_only:
+        parser.error("give --dry_run or --table_only, not both")
+    return args
+
+
+def recorded_command(argv: Sequence[str]) -> str:
+    """The command line that produces the runs (without --dry_run / --table_only)."""
+    keep = [a for a in argv if a not in ("--dry_run", "--table_only")]
+    return shlex.join(["python", "-m", "experiments.ablate", *keep])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    say = lambda msg: print(msg, flush=True)
+    try:
+        ctx = ConfigContext.load(args.config)
+        axes = [parse_sweep(s, ctx) for s in args.sweep]
+        sets = [parse_set(s, ctx) for s in args.sets]
+        variants = make_variants(ctx, axes, sets)
+        validate_variants(ctx, variants)
+    except AblationError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    name = safe_label(args.name or "+".join(a.key for a in axes) or "default")
+    out_dir = args.out_dir or os.path.join("runs", "ablate", name)
+    runs = make_runs(variants, args.seed_values, out_dir)
+    results_name = f"ablate_{name}"
+    json_path, png_path = output_paths(
+        results_name, False, os.path.join(args.results_dir, results_name + ".json") if args.results_dir else None,
+        os.path.join(args.fig_dir, results_name + ".png") if args.fig_dir else None)
+    meta = {"command": recorded_command(argv), "config": args.config, "name": name, "out_dir": out_dir,
+            "sweep": [a.describe() for a in axes],
+            "overrides": {a.target: _jsonable(a.values[0]) for a in sets}, "seeds": args.seed_values}
+
+    if args.dry_run:
+        for run in runs:
+            state = run_state(run.workdir)
+            cmd = run_command(run, ctx.path, state == "started", args.train_module)
+            if state == "completed":
+                say(f"# completed, skipped: {run.label} seed {run.seed}")
+            say(("# " if state == "completed" else "") + shlex.join(cmd))
+        return 0
+
+    def finish() -> dict:
+        data = summarize_grid([dataclasses.asdict(r) for r in runs], args.metric, args.threshold, **meta)
+        paths = write_outputs(data, json_path, png_path)
+        say(markdown_table(data))
+        say("wrote " + ", ".join(paths.values()))
+        return data
+
+    if args.table_only:
+        finish()
+        return 0
+
+    def on_sigterm(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    t_grid = time.perf_counter()
+    failed = 0
+    try:
+        for i, run in enumerate(runs, 1):
+            head = f"[{i}/{len(runs)}] {run.label} seed {run.seed}"
+            state = run_state(run.workdir)
+            if state == "completed":
+                say(f"{head}: completed before, skipped")
+                continue
+            cmd = run_command(run, ctx.path, state == "started", args.train_module)
+            elapsed = (time.perf_counter() - t_grid) / 60
+            say(f"{head}: {'resuming' if state == 'started' else 'starting'} (grid elapsed {elapsed:.1f} min; "
+                f"log {os.path.join(run.workdir, 'log.txt')})")
+            info = execute(run, cmd, say)
+            minutes = info["seconds"] / 60
+            if info["status"] == "completed":
+                say(f"{head}: completed in {minutes:.1f} min")
+            else:
+                failed += 1
+                say(f"{head}: FAILED (exit {info['returncode']}) after {minutes:.1f} min; last lines:\n"
+                    + textwrap.indent(info["log_tail"][-2000:], "    "))
+    except (Interrupted, KeyboardInterrupt):
+        say("interrupted: writing the partial table (rerun the same command to continue)")
+        finish()
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    say(f"grid done in {(time.perf_counter() - t_grid) / 60:.1f} min" + (f"; {failed} run(s) failed" if failed else ""))
+    finish()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
