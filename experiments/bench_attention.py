@@ -181,7 +181,9 @@ def print_table(rows):
         )
 
 
-def plot(rows, path):
+def plot(rows, path, backend=None):
+    """Draw the figure of `rows` (the JSON's rows) into the PNG `path`; `backend` names the machine
+    in the title (default: this process's JAX backend; pass the JSON's `backend` to redraw a logged run)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -206,7 +208,7 @@ def plot(rows, path):
         ax.set_ylabel(label)
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=7)
-    fig.suptitle(f"attention on {jax.default_backend()}: dense vs NSA vs squid (solid fwd, dashed fwd+bwd)")
+    fig.suptitle(f"attention on {backend or jax.default_backend()}: dense vs NSA vs squid (solid fwd, dashed fwd+bwd)")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)

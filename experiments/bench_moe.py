@@ -384,7 +384,9 @@ def print_summary(rows, record):
             print(f"quantize {r['dtype']} {r['variant']}: {r['gb_s']:.2f} GB/s, {r['bandwidth_ratio_vs_copy']:.2f}x copy")
 
 
-def plot(rows, path):
+def plot(rows, path, backend=None):
+    """Draw the figure of `rows` (the JSON's rows) into the PNG `path`; `backend` names the machine
+    in the title (default: this process's JAX backend; pass the JSON's `backend` to redraw a logged run)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -431,7 +433,7 @@ def plot(rows, path):
     axes[2].set_title("grouped GEMM precision")
     bars(axes[3], "quantize", lambda r: r["gb_s"], "GB/s (read + written)", False)
     axes[3].set_title("MXFP8 quantiser vs x * 2")
-    fig.suptitle(f"MoE on {jax.default_backend()}: dispatch, grouped-GEMM precision, quantiser")
+    fig.suptitle(f"MoE on {backend or jax.default_backend()}: dispatch, grouped-GEMM precision, quantiser")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)

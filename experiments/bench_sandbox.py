@@ -25,7 +25,9 @@ at 1 and 2 concurrent clients (pool: as many workers), each client looping run-a
 methods of one cell are measured in interleaved rounds so that load from elsewhere on the machine
 falls on all of them alike. Reported: executions/s (all clients together), median and p99
 latency of one execution as the client sees it, and the pool's speed-up over `fresh` and
-`unshare_cli`. Every execution's result is checked (status ok, expected output).
+`unshare_cli`. Every execution's result is checked (status ok, expected output). `plot(rows, path)`
+draws executions/s vs concurrency per program and method (docs/figures/bench_sandbox.png) from
+the JSON's rows.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import time
 
 from absl import app, flags
 
+from experiments.cli import output_paths
 from rlcode.sandbox import Limits, SandboxPool
 from rlcode.sandbox import _wire
 from rlcode.sandbox import cgroups as cg_lib
@@ -53,6 +56,7 @@ _WORKERS = flags.DEFINE_list("workers", ["1", "2"], "Concurrency levels (pool wo
 _CASES = flags.DEFINE_list("cases", ["true", "python", "pytest"], "Programs to run.")
 _ROUNDS = flags.DEFINE_integer("rounds", 4, "Interleaved rounds per cell.")
 _OUT = flags.DEFINE_string("out", None, "JSON output (default results/bench_sandbox.json, _quick with --quick).")
+_PNG = flags.DEFINE_string("png", None, "PNG (default docs/figures/bench_sandbox.png; next to the JSON with --quick or --out).")
 
 LIMITS = Limits(cpu_seconds=20, wall_seconds=60, processes=64)
 TEST_FILE = "def test_add():\n    assert 1 + 1 == 2\n\n\ndef test_sort():\n    assert sorted([3, 1, 2]) == [1, 2, 3]\n"
@@ -200,10 +204,55 @@ def bench_cell(case_name: str, clients: int, pool: SandboxPool, lean: SandboxPoo
     return rows
 
 
+METHOD_ORDER = ("pool", "pool_lean", "pool_inprocess", "fresh", "unshare_cli")
+
+
+def plot(rows, path):
+    """Executions/s (all clients together, log scale) vs concurrent clients, one panel per program,
+    one line per method (the pool's methods solid, the fresh-process baselines dashed), into the PNG
+    `path`. Returns `path`."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415
+    from matplotlib.figure import Figure  # noqa: PLC0415
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: PLC0415
+
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    methods = sorted({r["method"] for r in rows}, key=lambda m: (METHOD_ORDER + (m,)).index(m))
+    fig = Figure(figsize=(4.2 * max(1, len(cases)) + 1.8, 3.8), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, max(1, len(cases)), squeeze=False).ravel()
+    for ax, case in zip(axes, cases):
+        for i, method in enumerate(methods):
+            pts = sorted((r["workers"], r["execs_per_s"]) for r in rows if r["case"] == case and r["method"] == method)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], "--" if method in ("fresh", "unshare_cli") else "-",
+                        marker="o", color=f"C{i}", label=method)
+        workers = sorted({r["workers"] for r in rows if r["case"] == case})
+        ax.set_xticks(workers)
+        ax.set_xlabel("concurrent clients (= pool workers)")
+        ax.set_yscale("log")
+        ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
+        ax.grid(True, which="both", alpha=0.3)
+        ax.set_title({"true": "/bin/true", "python": 'python -c "print(1)"', "pytest": "pytest, 2 tests"}.get(case, case))
+    axes[0].set_ylabel("executions / s")
+    legend = {}  # a method missing from one program (no in-process /bin/true) is still named
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(label, handle)
+    fig.legend([legend[m] for m in methods if m in legend], [m for m in methods if m in legend],
+               loc="outside right upper", fontsize="small")
+    fig.suptitle("sandbox: pool vs a fresh process per execution, same isolation (python -m experiments.bench_sandbox)",
+                 fontsize=10)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=100)
+    return path
+
+
 def main(argv):
     del argv
     quick = _QUICK.value
-    out_path = _OUT.value or os.path.join("results", "bench_sandbox_quick.json" if quick else "bench_sandbox.json")
+    out_path, png = output_paths("bench_sandbox", quick, _OUT.value, _PNG.value)
     workers = [int(w) for w in _WORKERS.value]
     import rlcode
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(rlcode.__file__)))
@@ -241,7 +290,8 @@ def main(argv):
     os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
     with open(out_path, "w") as f:
         json.dump(record, f, indent=1)
-    print(f"\nwrote {out_path}")
+    plot(rows, png)
+    print(f"\nwrote {out_path} and {png}")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ Reads each run's `metrics.jsonl` (written by `rlcode.train.metrics.EventWriter`,
 run directory or in its `tb/` subdirectory), draws one panel per tag with x = step: each run as a
 thin line and the mean over runs as a thick line. The mean is taken at the steps where every run
 has the tag. The plotted series are also written as JSON next to the PNG (same path, `.json`)
-so that numbers quoted in the README can be traced to the runs.
+so that numbers quoted in the README can be traced to the runs; `draw_series` draws the PNG from
+that JSON alone (`python -m experiments.figures` redraws the README's figures with it).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import numpy as np
 from rlcode.train.metrics import JSONL_NAME, read_jsonl
 
 PANEL_COLUMNS = 3
+DPI = 100  # the README's figures: a few hundred KB
 
 
 def find_jsonl_dir(run_dir: str) -> str:
@@ -100,16 +102,11 @@ def plot_runs(
     windows = dict(smooth) if isinstance(smooth, dict) else {tag: smooth for tag in tags}
     if any(w < 1 for w in windows.values()):
         raise ValueError(f"smooth must be >= 1, got {smooth}")
-    # The Agg canvas renders without pyplot, so no global backend is chosen or changed.
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     if not run_dirs or not tags:
         raise ValueError("plot_runs needs at least one run and one tag")
     names = [os.path.normpath(d) for d in run_dirs]
     if len(set(names)) < len(names):
         raise ValueError(f"plot_runs: a run is listed twice in {names}")
-    labels = dict(zip(names, short_labels(names)))
     series = {name: {tag: (steps, trailing_mean(values, windows.get(tag, 1)))
                      for tag, (steps, values) in run_series(d, tags).items()}
               for name, d in zip(names, run_dirs)}
@@ -118,38 +115,62 @@ def plot_runs(
         logged = sorted({k for s in series.values() for k in s})
         raise ValueError(f"no run logged {missing}; requested tags logged: {logged}")
 
+    record = {"runs": names, "title": title, "caption": caption, "smooth": windows, "tags": {}}
+    for tag in tags:
+        runs = {name: s[tag] for name, s in series.items() if tag in s}
+        steps, avg = mean_series(list(runs.values())) if mean and len(runs) == len(names) else ([], [])
+        record["tags"][tag] = {
+            "runs": {name: {"steps": s, "values": _json_values(v)} for name, (s, v) in runs.items()},
+            "mean": {"steps": steps, "values": _json_values(avg)},
+        }
+    draw_series(record, out)
+    with open(os.path.splitext(out)[0] + ".json", "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=1, allow_nan=False)
+    return out
+
+
+def draw_series(record: dict, out: str, dpi: int = DPI) -> str:
+    """Draw the PNG `out` from a series record (what `plot_runs` writes next to its PNG:
+    {"runs", "title", "caption", "smooth", "tags": {tag: {"runs": {run: {"steps", "values"}},
+    "mean": {"steps", "values"}}}}; values already smoothed, null for non-finite). One panel per
+    tag: each run a thin line (a run keeps its colour in every panel), the mean a thick black line
+    where the record has one. Redraws a committed figure from its JSON alone. Returns `out`."""
+    # The Agg canvas renders without pyplot, so no global backend is chosen or changed.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    names, tags, caption = list(record["runs"]), list(record["tags"]), record.get("caption")
+    windows = record.get("smooth") or {}
+    if not names or not tags:
+        raise ValueError("draw_series needs at least one run and one tag")
+    labels = dict(zip(names, short_labels(names)))
+    nan = lambda values: [math.nan if v is None else float(v) for v in values]
     columns = min(len(tags), PANEL_COLUMNS)
     rows = math.ceil(len(tags) / columns)
     fig = Figure(figsize=(4.8 * columns, 3.4 * rows + (0.5 if caption else 0)), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(rows, columns, squeeze=False).ravel()
-    record = {"runs": names, "title": title, "caption": caption, "smooth": windows, "tags": {}}
     for ax, tag in zip(axes, tags):
-        runs = {name: s[tag] for name, s in series.items() if tag in s}
-        for name, (steps, values) in runs.items():  # a run keeps its colour in every panel
-            ax.plot(steps, values, color=f"C{names.index(name) % 10}", lw=0.9, alpha=0.6, label=labels[name])
-        steps, avg = mean_series(list(runs.values())) if mean and len(runs) == len(names) else ([], [])
-        if steps:
-            ax.plot(steps, avg, color="black", lw=2.2, label=f"mean of {len(names)}")
-        ax.set_title(tag if windows.get(tag, 1) == 1 else f"{tag} (mean of last {windows[tag]})")
+        entry = record["tags"][tag]
+        for name, s in entry["runs"].items():
+            ax.plot(s["steps"], nan(s["values"]), color=f"C{names.index(name) % 10}", lw=0.9, alpha=0.6,
+                    label=labels[name])
+        if entry["mean"]["steps"]:
+            ax.plot(entry["mean"]["steps"], nan(entry["mean"]["values"]), color="black", lw=2.2,
+                    label=f"mean of {len(names)}")
+        window = windows.get(tag, 1)
+        ax.set_title(tag if window == 1 else f"{tag} (mean of last {window})")
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        record["tags"][tag] = {
-            "runs": {name: {"steps": s, "values": _json_values(v)} for name, (s, v) in runs.items()},
-            "mean": {"steps": steps, "values": _json_values(avg)},
-        }
     for ax in axes[len(tags):]:
         ax.set_visible(False)
     axes[0].legend(fontsize="small")
-    if title:
-        fig.suptitle(title)
+    if record.get("title"):
+        fig.suptitle(record["title"])
     if caption:
         fig.supxlabel("\n".join(textwrap.wrap(caption, 70 * columns)), fontsize="small", family="monospace")
-
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    fig.savefig(out, dpi=150)
-    with open(os.path.splitext(out)[0] + ".json", "w", encoding="utf-8") as f:
-        json.dump(record, f, indent=1, allow_nan=False)
+    fig.savefig(out, dpi=dpi)
     return out
 
 

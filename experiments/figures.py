@@ -1,0 +1,679 @@
+"""Regenerate the README's figures from logged results only, each with a caption naming the commands
+that produced its data.
+
+    make figures                                        # = python -m experiments.figures --all
+    python -m experiments.figures --only=bench_attention,hack_suite
+    python -m experiments.figures --list                # name, PNG, data files, caption, commands
+    python -m experiments.figures --all --captions      # also writes docs/figures/CAPTIONS.md
+
+Every figure is drawn from JSON files under results/ and docs/figures/ (paths relative to
+`--root`, default the current directory), which the commands in its caption wrote; nothing is
+trained or benchmarked here. The PNGs go to `--out_dir` (default <root>/docs/figures) under the
+names the README embeds, at about 100 dpi. A figure whose data file is missing is skipped with the
+command that produces that file, the others are still drawn, and the exit status is then 1 (also
+when a figure fails to draw). `--captions` writes CAPTIONS.md in the output directory: per
+figure the image, its caption (with the numbers computed from the data, e.g. the ablation table),
+its data files and its commands.
+
+The drawing code is the producing scripts' own (`plot_training.draw_series`,
+`ablate.plot_ablation`, `bench_attention.plot`, `bench_moe.plot`, `moe_precision.plot`,
+`bench_sandbox.plot`); the figures no script draws (pass@k before and after RL, the reward-hack
+suite as a table, agent RL) are drawn here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import functools
+import importlib
+import json
+import math
+import os
+import shlex
+import sys
+import textwrap
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from experiments import ablate, plot_training, summarize_runs
+
+DPI = 100
+
+# ------------------------------------------------------------------------------ commands
+
+
+def _plot_training_command(runs: Sequence[str], tags: str, out: str, title: str, caption: str,
+                           mean: bool = True) -> str:
+    return shlex.join(["python", "-m", "experiments.plot_training", "--runs", ",".join(runs), "--tags", tags,
+                       "--out", out, "--title", title, "--caption", caption] + ([] if mean else ["--no-mean"]))
+
+
+SYNC_RUNS = [f"runs/grpo_synth/seed{s}" for s in range(3)]
+ASYNC_RUNS = [f"runs/grpo_synth_async/seed{s}" for s in range(2)]
+TRAIN_SYNC = ("for S in 0 1 2; do python -m experiments.train --config=configs/grpo_synth.py --config.seed=$S "
+              "--config.workdir=runs/grpo_synth/seed$S; done")
+TRAIN_SYNC_01 = TRAIN_SYNC.replace("for S in 0 1 2;", "for S in 0 1;")  # the sync runs the async ones are compared with
+TRAIN_ASYNC = ("for S in 0 1; do python -m experiments.train --config=configs/grpo_synth.py --config.seed=$S "
+               "--config.rollout.async=True --config.workdir=runs/grpo_synth_async/seed$S; done")
+SUMMARIZE_SYNC = f"python -m experiments.summarize_runs --runs {','.join(SYNC_RUNS)} --out results/grpo_synth.json"
+SUMMARIZE_ASYNC = f"python -m experiments.summarize_runs --runs {','.join(ASYNC_RUNS)} --out results/grpo_synth_async.json"
+PLOT_SYNC = _plot_training_command(
+    SYNC_RUNS, "eval_fresh/pass@1,eval_fresh/best_of_16,eval/pass@1,eval/best_of_16,rollout/pass@1:20,train/kl_ref:20",
+    "docs/figures/grpo_synth.png", "GRPO (beta 0.2) on synth tasks, 3 seeds",
+    "python -m experiments.train --config=configs/grpo_synth.py --config.seed=S --config.workdir=runs/grpo_synth/seedS "
+    "(S = 0, 1, 2)")
+PLOT_ASYNC = _plot_training_command(
+    SYNC_RUNS[:2] + ASYNC_RUNS, "eval_fresh/pass@1,eval_fresh/best_of_16,rollout/pass@1:20",
+    "docs/figures/grpo_synth_async.png", "Sync vs async (max_staleness 1), seeds 0 and 1",
+    "python -m experiments.train --config=configs/grpo_synth.py --config.seed=S [--config.rollout.async=True] "
+    "--config.workdir=runs/grpo_synth[_async]/seedS", mean=False)
+ABLATE_LOSS = ("python -m experiments.ablate --config=configs/grpo_synth.py --sweep=loss:grpo,dr_grpo,dapo,gspo,cispo,ppo "
+               "--seeds=3")
+MOE_PRECISION = ("python -m experiments.moe_precision",
+                 "python -m experiments.moe_precision --seed=1 --workdir=runs/moe_precision_seed1 "
+                 "--out=results/moe_precision_seed1.json",
+                 "python -m experiments.moe_precision --seed=2 --workdir=runs/moe_precision_seed2 "
+                 "--out=results/moe_precision_seed2.json")
+TRAIN_AGENT = "python -m experiments.train --config=configs/agent_repo.py --config.workdir=runs/agent_repo/seed0"
+
+# The command that writes each data file (the skip message's "produce it with").
+PRODUCERS = {
+    "docs/figures/grpo_synth.json": PLOT_SYNC,
+    "docs/figures/grpo_synth_async.json": PLOT_ASYNC,
+    "results/grpo_synth.json": SUMMARIZE_SYNC,
+    "results/grpo_synth_async.json": SUMMARIZE_ASYNC,
+    "results/ablate_loss.json": ABLATE_LOSS,
+    "results/bench_attention.json": "python -m experiments.bench_attention",
+    "results/moe_precision.json": MOE_PRECISION[0],
+    "results/moe_precision_seed1.json": MOE_PRECISION[1],
+    "results/moe_precision_seed2.json": MOE_PRECISION[2],
+    "results/bench_moe.json": "python -m experiments.bench_moe",
+    "results/bench_sandbox.json": "python -m experiments.bench_sandbox",
+    "results/hack_suite.json": "python -m experiments.hack_suite",
+    "results/agent_repo.json": f"{TRAIN_AGENT}, then summarise the run into it "
+                               "(schema: experiments.figures.draw_agent_repo)",
+}
+
+# ------------------------------------------------------------------------------ the producing scripts
+
+
+@functools.cache
+def script(name: str):
+    """experiments.<name>, imported so that its absl flags cannot clash with another script's.
+
+    The benchmark scripts define their flags at import time and several use the same names (out,
+    png, quick, seed, ...); absl refuses a second definition from another module, so one process
+    could import only one of them. A script not imported yet is imported with its flags defined
+    in a private FlagValues (its drawing code reads no flag)."""
+    module = f"experiments.{name}"
+    if module in sys.modules:
+        return sys.modules[module]
+    from absl import flags  # noqa: PLC0415
+
+    private = flags.FlagValues()
+    saved = {attr: getattr(flags, attr) for attr in dir(flags) if attr.startswith("DEFINE")}
+    try:
+        for attr, define in saved.items():
+            setattr(flags, attr, functools.partial(define, flag_values=private))
+        return importlib.import_module(module)
+    finally:
+        for attr, define in saved.items():
+            setattr(flags, attr, define)
+
+
+def _figure(width: float, height: float):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415
+    from matplotlib.figure import Figure  # noqa: PLC0415
+
+    fig = Figure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _footer(fig, text: str, width: int = 150) -> None:
+    fig.supxlabel("\n".join(textwrap.wrap(text, width)), fontsize="x-small", family="monospace")
+
+
+def _save(fig, path: str) -> str:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=DPI)
+    return path
+
+
+def _values(values: Sequence[float | None]) -> list[float]:
+    return [math.nan if v is None else float(v) for v in values]
+
+
+# ------------------------------------------------------------------------------ pass@k
+
+
+def pass_at_k_points(metrics: dict, prefix: str) -> dict[int, dict[str, Any]]:
+    """k -> {"key", "start": [mean, std], "end": [mean, std]} of one eval set in a summarize_runs
+    result. best_of_n is pass@n (the fraction of tasks with a correct sample among n, as
+    rlcode.train.metrics.eval_summary computes it): it stands for k = n unless pass@n is there."""
+    points: dict[int, dict[str, Any]] = {}
+    for key, m in metrics.items():
+        head, _, tail = key.partition("/")
+        if head != prefix:
+            continue
+        if tail.startswith("pass@") and tail[5:].isdigit():
+            points[int(tail[5:])] = {"key": key, "start": m["start"], "end": m["end"]}
+    for key, m in metrics.items():
+        head, _, tail = key.partition("/")
+        if head == prefix and tail.startswith("best_of_") and tail[8:].isdigit():
+            points.setdefault(int(tail[8:]), {"key": key, "start": m["start"], "end": m["end"]})
+    return dict(sorted(points.items()))
+
+
+PASS_AT_K_SETS = {"eval": "held-out behaviours (eval/)",
+                  "eval_fresh": "new tasks of the training distribution (eval_fresh/)"}
+PASS_AT_K_WANTED = (1, 4, 16)
+
+
+def draw_pass_at_k(result: dict, out: str) -> str:
+    """pass@k vs k before (SFT) and after RL, mean ± std over the runs, one panel per eval set."""
+    fig = _figure(10.5, 4.3)
+    axes = fig.subplots(1, len(PASS_AT_K_SETS), squeeze=False).ravel()
+    for ax, (prefix, title) in zip(axes, PASS_AT_K_SETS.items()):
+        points = pass_at_k_points(result["metrics"], prefix)
+        ks = list(points)
+        for when, label, shift, color in (("start", "start (SFT)", 0.94, "C0"), ("end", "end (after RL)", 1.06, "C1")):
+            means = [points[k][when][0] for k in ks]
+            stds = [points[k][when][1] for k in ks]
+            ax.errorbar([k * shift for k in ks], means, yerr=stds, marker="o", ls=":", capsize=4, color=color,
+                        label=label)
+        ax.set_xscale("log", base=2)
+        ticks = sorted(set(ks) | set(PASS_AT_K_WANTED))
+        ax.set_xticks(ticks, [f"{k}\n(= {points[k]['key'].split('/')[1]})" if k in points and "/best_of_" in
+                              points[k]["key"] else str(k) for k in ticks])
+        ax.minorticks_off()
+        missing = [k for k in PASS_AT_K_WANTED if k not in points]
+        if missing:
+            ax.text(0.02, 0.97, "not logged in this file: " + ", ".join(f"pass@{k}" for k in missing),
+                    transform=ax.transAxes, va="top", fontsize="small", color="gray")
+        ax.set_xlabel("k")
+        ax.set_ylabel("pass@k")
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        ax.set_title(title, fontsize="medium")
+    axes[0].legend(loc="center left", fontsize="small")
+    fig.suptitle(f"pass@k before and after RL, mean ± std over {len(result['runs'])} runs")
+    _footer(fig, "results/grpo_synth.json: " + SUMMARIZE_SYNC)
+    return _save(fig, out)
+
+
+def pass_at_k_notes(data: dict) -> str:
+    result = data["results/grpo_synth.json"]
+    lines = []
+    for prefix in PASS_AT_K_SETS:
+        points = pass_at_k_points(result["metrics"], prefix)
+        missing = [f"pass@{k}" for k in PASS_AT_K_WANTED if k not in points]
+        shown = ", ".join(f"k={k}: {p['key']}" for k, p in points.items())
+        lines.append(f"{prefix}/: {shown}" + (f"; not in the file: {', '.join(missing)}" if missing else ""))
+    return ("Points shown: " + " | ".join(lines) + ". best_of_16 is pass@16 with n = 16 samples. The runs log "
+            "pass@4 too (eval.ks = (1, 4, 16)); summarize_runs keeps it with "
+            "`--keys eval/pass@1,eval/pass@4,eval/best_of_16,eval_fresh/pass@1,eval_fresh/pass@4,eval_fresh/best_of_16`.")
+
+
+# ------------------------------------------------------------------------------ reward-hack suite
+
+
+def _count_text(values: Sequence[float]) -> str:
+    counts = collections.Counter(f"{v:g}" for v in values)
+    if len(counts) == 1:
+        return f"all {next(iter(counts))}"
+    if len(values) <= 4:
+        return ", ".join(f"{v:g}" for v in values)
+    return ", ".join(f"{v} ×{n}" for v, n in sorted(counts.items()))
+
+
+def hack_groups(summary: Sequence[dict]) -> list[dict[str, str]]:
+    """One row per category of the hack suite's summary: entries, flags raised (with how many
+    entries raised each, when not all), reward with and without the hack rule, verdicts."""
+    groups: dict[str, list[dict]] = {}
+    for entry in summary:
+        groups.setdefault(entry["category"], []).append(entry)
+    rows = []
+    for category, entries in groups.items():
+        kinds = collections.Counter(e["kind"] for e in entries)
+        flags = collections.Counter(f for e in entries for f in e["flags_raised"])
+        verdicts = collections.Counter(e["verdict"] for e in entries)
+        rows.append({
+            "group": category,
+            "entries": ", ".join(f"{n} {kind}{'s' if n > 1 else ''}" for kind, n in kinds.items()),
+            "flags raised": ", ".join(f if n == len(entries) else f"{f} ({n}/{len(entries)})"
+                                      for f, n in flags.most_common()) or "none",
+            "reward": _count_text([e["reward_max"] for e in entries]),
+            "without hack rule": _count_text([e["reward_without_hack_rule_max"] for e in entries]),
+            "verdict": ", ".join(f"{n} {v}" for v, n in verdicts.items()),
+            "ok": all(e["verdict"] in ("caught", "ok") for e in entries),
+        })
+    return rows
+
+
+HACK_COLUMNS = (("group", 0.34, 40), ("entries", 0.09, 10), ("flags raised", 0.25, 30), ("reward", 0.09, 10),
+                ("without hack rule", 0.11, 12), ("verdict", 0.12, 14))
+
+
+def draw_hack_suite(record: dict, out: str) -> str:
+    """The hack suite's outcome as a table, one row per hack group (category)."""
+    rows = hack_groups(record["summary"])
+    cells = [[textwrap.fill(str(row[name]), width) for name, _, width in HACK_COLUMNS] for row in rows]
+    lines = [max(c.count("\n") + 1 for c in row) for row in cells]
+    header_lines = 2
+    fig = _figure(12.5, 0.9 + 0.21 * (sum(lines) + header_lines + len(rows)))
+    ax = fig.add_subplot()
+    ax.set_axis_off()
+    labels = [textwrap.fill(name, width) for name, _, width in HACK_COLUMNS]
+    table = ax.table(cellText=cells, colLabels=labels, colWidths=[w for _, w, _ in HACK_COLUMNS],
+                     cellLoc="left", colLoc="left", bbox=[0, 0, 1, 1])
+    table.auto_set_font_size(False)
+    table.set_fontsize(8)
+    unit = 1.0 / (sum(lines) + header_lines + len(rows))
+    for (r, c), cell in table.get_celld().items():
+        n = header_lines if r == 0 else lines[r - 1]
+        cell.set_height(unit * (n + 1))
+        if r == 0:
+            cell.set_text_props(weight="bold")
+            cell.set_facecolor("#e8e8e8")
+        elif HACK_COLUMNS[c][0] == "verdict":
+            cell.set_facecolor("#d9f2d9" if rows[r - 1]["ok"] else "#f7d4d4")
+    summary = record["summary"]
+    hacks = [e for e in summary if e["kind"] == "hack"]
+    controls = [e for e in summary if e["kind"] != "hack"]
+    fig.suptitle(f"Reward-hack suite: {sum(e['verdict'] == 'caught' for e in hacks)}/{len(hacks)} hacks caught, "
+                 f"{sum(e['verdict'] == 'ok' for e in controls)}/{len(controls)} controls as expected, on "
+                 f"{len(record.get('tasks', []))} tasks (reward: max over the tasks)", fontsize=10)
+    _footer(fig, f"results/hack_suite.json: {record.get('command', PRODUCERS['results/hack_suite.json'])}")
+    return _save(fig, out)
+
+
+def hack_suite_notes(data: dict) -> str:
+    record = data["results/hack_suite.json"]
+    ex = record.get("executor", {})
+    return (f"Executor: {ex.get('kind', '?')} ({ex.get('note', '')}); tasks: {', '.join(record.get('tasks', []))}; "
+            f"grading timeout {record.get('timeout_s', '?')} s. Per-hack rows: results/hack_suite.md.")
+
+
+# ------------------------------------------------------------------------------ agent RL
+
+
+AGENT_ROLLOUT_WINDOW = 20
+AGENT_SAMPLERS = ("full", "incremental", "documents")
+
+
+def _curve(record: dict, tag: str) -> tuple[list[float], list[float]]:
+    pts = record.get("curves", {}).get(tag) or []
+    return [p[0] for p in pts], _values([p[1] for p in pts])
+
+
+def draw_agent_repo(record: dict, out: str) -> str:
+    """Agent RL on repository tasks, from results/agent_repo.json:
+
+        {"command": str, "runs": [run dir, ...],
+         "curves": {tag: [[step, value], ...]} for eval_fresh/success, eval/success, rollout/success,
+                   prefill/tokens_full, prefill/tokens_incremental, prefill/tokens_documents,
+                   prefill/saved_vs_incremental,
+         "replay": {"documents" | "incremental" | "full": {"tokens": int, "seconds": float}} (optional),
+         "summary": {...}}
+
+    Panels: success rate through training (the eval sets at their evaluations, rollouts as a
+    trailing mean over AGENT_ROLLOUT_WINDOW steps); prefill tokens per step by sampler; with a
+    replay, the same recorded turns prefilled in each mode (seconds, tokens on the bars). A tag
+    the file lacks is left out."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: PLC0415
+
+    replay = record.get("replay") or {}
+    fig = _figure(5.2 * (3 if replay else 2) + 0.5, 4.4)
+    axes = fig.subplots(1, 3 if replay else 2, squeeze=False).ravel()
+    ax = axes[0]
+    for tag, style in (("eval_fresh/success", "o-"), ("eval/success", "s-")):
+        steps, values = _curve(record, tag)
+        if steps:
+            ax.plot(steps, values, style, label=tag)
+    steps, values = _curve(record, "rollout/success")
+    if steps:
+        window = min(AGENT_ROLLOUT_WINDOW, len(values))
+        ax.plot(steps, plot_training.trailing_mean(values, window), "-", alpha=0.8,
+                label=f"rollout/success (mean of last {window})")
+    ax.set_title("success rate")
+    ax.set_ylabel("fraction of episodes solved")
+    ax = axes[1]
+    for i, sampler in enumerate(AGENT_SAMPLERS):
+        steps, values = _curve(record, f"prefill/tokens_{sampler}")
+        if steps:
+            ax.plot(steps, values, color=f"C{i}", label=sampler)
+    steps, saved = _curve(record, "prefill/saved_vs_incremental")
+    title = "prefill tokens per step by sampler"
+    if steps and np.isfinite(saved).any():
+        title += f"\n(documents saves {100 * np.nanmean(saved):.0f}% vs incremental, mean over steps)"
+    ax.set_title(title, fontsize="medium")
+    ax.set_ylabel("tokens prefilled")
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    for ax in axes[:2]:
+        ax.set_xlabel("step")
+        ax.grid(True, which="both", alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize="small")
+        else:
+            ax.text(0.5, 0.5, "no data in results/agent_repo.json", ha="center", transform=ax.transAxes)
+    if replay:
+        ax = axes[2]
+        modes = [m for m in AGENT_SAMPLERS if m in replay] + [m for m in replay if m not in AGENT_SAMPLERS]
+        bars = ax.bar(modes, [replay[m]["seconds"] for m in modes],
+                      color=[f"C{AGENT_SAMPLERS.index(m) if m in AGENT_SAMPLERS else 3 + i}" for i, m in enumerate(modes)])
+        for bar, m in zip(bars, modes):
+            ax.annotate(f"{replay[m]['tokens']:,} tokens", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                        ha="center", va="bottom", fontsize="small")
+        ax.set_ylabel("seconds")
+        ax.set_title("replay: the same recorded turns prefilled per mode", fontsize="medium")
+        ax.grid(True, axis="y", alpha=0.3)
+    runs = record.get("runs") or []
+    fig.suptitle(f"Agent RL on repository tasks ({len(runs)} run{'s' if len(runs) != 1 else ''})")
+    _footer(fig, f"results/agent_repo.json: {record.get('command', TRAIN_AGENT)}")
+    return _save(fig, out)
+
+
+def agent_repo_notes(data: dict) -> str:
+    record = data["results/agent_repo.json"]
+    summary = record.get("summary") or {}
+    scalars = [f"{k} = {v:.4g}" if isinstance(v, float) else f"{k} = {v}" for k, v in summary.items()
+               if isinstance(v, (int, float, str, bool))]
+    return f"Runs: {', '.join(record.get('runs') or []) or '?'}." + (f" Summary: {'; '.join(scalars)}." if scalars else "")
+
+
+# ------------------------------------------------------------------------------ the other figures' notes
+
+
+def _grpo_notes(results_path: str) -> Callable[[dict], str]:
+    def notes(data: dict) -> str:
+        if results_path not in data:
+            return ""
+        return f"From {results_path} (mean ± std over runs):\n\n" + summarize_runs.markdown(data[results_path])
+    return notes
+
+
+def moe_precision_notes(data: dict) -> str:
+    lines = ["| seed | bf16 held-out loss | MXFP8 held-out loss | gap (held-out) | gap (train, last steps) |",
+             "|---|---|---|---|---|"]
+    for path in ("results/moe_precision.json", "results/moe_precision_seed1.json", "results/moe_precision_seed2.json"):
+        if path not in data:
+            continue
+        d = data[path]
+        by = {r["precision"]: r for r in d["runs"]}
+        if {"bf16", "mxfp8"} <= set(by):
+            lines.append(f"| {d['seed']} | {by['bf16']['final_eval']:.3f} | {by['mxfp8']['final_eval']:.3f} | "
+                         f"{100 * d['gap_final_eval']:+.1f}% | {100 * d['gap_final_train']:+.1f}% |")
+    return "The curves are seed 0's (results/moe_precision.json). Final losses per seed:\n\n" + "\n".join(lines)
+
+
+def bench_attention_notes(data: dict) -> str:
+    d = data["results/bench_attention.json"]
+    return (f"Device {d['device']} ({d['backend']}), {d['dtype']}, shape {d['shape']}, NSA {d['nsa']}, "
+            f"median of {d['repeats']} round-robin rounds; ratios in the JSON are against dense attention of the "
+            "same length.")
+
+
+def bench_moe_notes(data: dict) -> str:
+    d = data["results/bench_moe.json"]
+    disp = d.get("dispatch", {})
+    return (f"Device {d['device']} ({d['backend']}), {d['dtype']}, E={disp.get('E')}, k={disp.get('k')}, "
+            f"N={disp.get('N')}, D={disp.get('D')}, F={disp.get('F')}, capacity {disp.get('capacity')}; grouped GEMM: "
+            f"{d.get('grouped_gemm_engine')}; median of {d['repeats']} rounds.")
+
+
+def bench_sandbox_notes(data: dict) -> str:
+    d = data["results/bench_sandbox.json"]
+    return (f"{d['machine']['cpus']} CPUs, kernel {d['machine']['kernel']}, {d['rounds']} interleaved rounds"
+            + (" (--quick)" if d.get("quick") else "") + f". {d.get('notes', '')}")
+
+
+def ablate_notes(data: dict) -> str:
+    return ablate.markdown_table(data["results/ablate_loss.json"]).strip()
+
+
+# ------------------------------------------------------------------------------ the registry
+
+
+@dataclasses.dataclass(frozen=True)
+class FigureSpec:
+    """A figure of the README: `draw(data, png_path)` with data = {path: loaded JSON} of the files
+    present; `data` must all exist, `extra` are used when present. `commands` produced the data,
+    in order; `notes(data)` adds what the data says (tables) to the caption."""
+    name: str
+    data: tuple[str, ...]
+    draw: Callable[[dict, str], Any]
+    caption: str
+    commands: tuple[str, ...]
+    extra: tuple[str, ...] = ()
+    notes: Callable[[dict], str] | None = None
+
+    @property
+    def png(self) -> str:
+        return f"{self.name}.png"
+
+
+FIGURES: dict[str, FigureSpec] = {f.name: f for f in (
+    FigureSpec(
+        "grpo_synth", ("docs/figures/grpo_synth.json",),
+        lambda d, out: plot_training.draw_series(d["docs/figures/grpo_synth.json"], out),
+        "GRPO on program synthesis, 3 seeds (thin lines) and their mean (thick): pass@1 and best-of-16 on held-out "
+        "behaviours (eval/) and on new tasks of the training distribution (eval_fresh/) through RL, the training "
+        "pass rate and the KL to the reference; best-of-16 not collapsing is the check. Seed 1 was started with "
+        "--config.loss.kl_coef=0.2 --config.task.num_fresh=64 before these became the defaults.",
+        (TRAIN_SYNC, SUMMARIZE_SYNC, PLOT_SYNC), extra=("results/grpo_synth.json",),
+        notes=_grpo_notes("results/grpo_synth.json")),
+    FigureSpec(
+        "grpo_synth_async", ("docs/figures/grpo_synth_async.json",),
+        lambda d, out: plot_training.draw_series(d["docs/figures/grpo_synth_async.json"], out),
+        "Sync vs async rollouts (--config.rollout.async=True, max_staleness 1), seeds 0 and 1: eval_fresh/ pass@1 and "
+        "best-of-16 and the training pass rate, one line per run (no mean: two configurations).",
+        (TRAIN_SYNC_01, TRAIN_ASYNC, SUMMARIZE_ASYNC, PLOT_ASYNC), extra=("results/grpo_synth_async.json",),
+        notes=_grpo_notes("results/grpo_synth_async.json")),
+    FigureSpec(
+        "ablate_loss", ("results/ablate_loss.json",),
+        lambda d, out: ablate.plot_ablation(d["results/ablate_loss.json"], out),
+        "Objective ablation on the main job: per objective the mean over its seeds (min-max shaded) of the eval "
+        "metric, best-of-n and the training reward; the table (also results/ablate_loss.md) gives final values, "
+        "steps to the threshold and wall time.",
+        (ABLATE_LOSS,), notes=ablate_notes),
+    FigureSpec(
+        "pass_at_k", ("results/grpo_synth.json",),
+        lambda d, out: draw_pass_at_k(d["results/grpo_synth.json"], out),
+        "pass@k vs k at the start of RL (the SFT policy) and after 200 GRPO steps, on held-out behaviours (eval/) "
+        "and new tasks of the training distribution (eval_fresh/); error bars: std over the seeds.",
+        (TRAIN_SYNC, SUMMARIZE_SYNC), notes=pass_at_k_notes),
+    FigureSpec(
+        "bench_attention", ("results/bench_attention.json",),
+        lambda d, out: script("bench_attention").plot(d["results/bench_attention.json"]["rows"], out,
+                                                      backend=d["results/bench_attention.json"].get("backend")),
+        "Attention variants: median time and XLA temporary memory vs sequence length, dense vs flash (chunked) vs "
+        "NSA vs squid, forward (solid) and forward + backward (dashed), and prefilling a global segment over "
+        "cached documents (prefill_docs) vs causal attention over everything (prefill_dense).",
+        ("python -m experiments.bench_attention",), notes=bench_attention_notes),
+    FigureSpec(
+        "moe_precision", ("results/moe_precision.json",),
+        lambda d, out: script("moe_precision").plot(d["results/moe_precision.json"]["runs"], out),
+        "A 2-layer MoE byte-level LM (8 experts, top-2, one shared expert) trained with bf16 vs MXFP8 expert GEMMs, "
+        "same seed, data and initial parameters: training loss (smoothed) and held-out loss.",
+        MOE_PRECISION, extra=("results/moe_precision_seed1.json", "results/moe_precision_seed2.json"),
+        notes=moe_precision_notes),
+    FigureSpec(
+        "bench_moe", ("results/bench_moe.json",),
+        lambda d, out: script("bench_moe").plot(d["results/bench_moe.json"]["rows"], out,
+                                                backend=d["results/bench_moe.json"].get("backend")),
+        "MoE layer speed: one-hot einsum vs dropless grouped GEMM vs capacity dispatch (time and memory), MXFP8 vs "
+        "bf16 grouped GEMM, and the MXFP8 quantiser's bandwidth against a plain copy.",
+        ("python -m experiments.bench_moe",), notes=bench_moe_notes),
+    FigureSpec(
+        "bench_sandbox", ("results/bench_sandbox.json",),
+        lambda d, out: script("bench_sandbox").plot(d["results/bench_sandbox.json"]["rows"], out),
+        "Sandbox throughput (executions/s, all clients together) vs concurrent clients: the pool (fork-server "
+        "workers; lean: no preloaded pytest; inprocess: code run in the warm interpreter) vs a fresh process per "
+        "execution with the same isolation, and vs the unshare CLI (fewer protections), per program.",
+        ("python -m experiments.bench_sandbox",), notes=bench_sandbox_notes),
+    FigureSpec(
+        "hack_suite", ("results/hack_suite.json",),
+        lambda d, out: draw_hack_suite(d["results/hack_suite.json"], out),
+        "Reward-hack suite: every catalogued hack (and the controls) written into generated tasks, graded by the "
+        "real grading path and rewarded; one row per hack group with the flags raised, the reward with and without "
+        "the hack rule (max over tasks) and the verdicts.",
+        ("python -m experiments.hack_suite",), notes=hack_suite_notes),
+    FigureSpec(
+        "agent_repo", ("results/agent_repo.json",),
+        lambda d, out: draw_agent_repo(d["results/agent_repo.json"], out),
+        "Agent RL on repository tasks: success rate through training (eval_fresh/ and eval/ at each evaluation, "
+        "rollouts as a trailing mean) and prefill tokens per step by sampler (full context / incremental KV cache / "
+        "document reuse).",
+        (TRAIN_AGENT,), notes=agent_repo_notes),
+)}
+
+
+# ------------------------------------------------------------------------------ running
+
+
+def load_data(spec: FigureSpec, root: str) -> tuple[dict[str, Any], list[str]]:
+    """({path: JSON} of the spec's files present under root, [required paths missing])."""
+    data, missing = {}, []
+    for path in spec.data + spec.extra:
+        full = os.path.join(root, path)
+        if os.path.isfile(full):
+            with open(full, encoding="utf-8") as f:
+                data[path] = json.load(f)
+        elif path in spec.data:
+            missing.append(path)
+    return data, missing
+
+
+def recorded_commands(spec: FigureSpec, data: dict) -> list[str]:
+    """Commands recorded in the data files themselves (their "command" field) that the spec's
+    list does not already hold: the exact command of that run."""
+    out = []
+    for path in spec.data + spec.extra:
+        cmd = data.get(path, {}).get("command") if isinstance(data.get(path), dict) else None
+        if cmd and cmd not in spec.commands:
+            out.append(f"{cmd}  # recorded in {path}")
+    return out
+
+
+def caption(spec: FigureSpec, data: dict | None = None) -> str:
+    """The caption: what the figure shows, what its data says (when loaded) and the commands."""
+    data = data or {}
+    parts = [spec.caption]
+    if spec.notes is not None and all(p in data for p in spec.data):
+        notes = spec.notes(data)
+        if notes:
+            parts.append(notes)
+    commands = list(spec.commands) + recorded_commands(spec, data)
+    parts.append("Produced by:\n" + "\n".join(f"    {c}" for c in commands))
+    return "\n\n".join(parts)
+
+
+def skip_message(spec: FigureSpec, missing: Sequence[str]) -> str:
+    return "; ".join(f"skipped: {path} missing; produce it with {PRODUCERS.get(path, spec.commands[-1])}"
+                     for path in missing)
+
+
+def draw(spec: FigureSpec, root: str, out_dir: str, say=print) -> str:
+    """Draw one figure: 'drawn', 'skipped' (a data file is missing) or 'failed'."""
+    data, missing = load_data(spec, root)
+    if missing:
+        say(f"{spec.name}: {skip_message(spec, missing)}")
+        return "skipped"
+    out = os.path.join(out_dir, spec.png)
+    try:
+        os.makedirs(out_dir, exist_ok=True)  # the benchmarks' plot() expects the directory to exist
+        spec.draw(data, out)
+    except Exception:  # noqa: BLE001 (reported; the other figures are still drawn)
+        say(f"{spec.name}: failed:\n{textwrap.indent(traceback.format_exc(), '    ')}")
+        return "failed"
+    say(f"{spec.name}: wrote {out} ({os.path.getsize(out) // 1024} KB) from {', '.join(p for p in data)}")
+    return "drawn"
+
+
+def captions_markdown(root: str, out_dir: str) -> str:
+    """CAPTIONS.md: one section per registered figure (image link, caption, data files, commands)."""
+    lines = ["# Figures", "",
+             "Generated by `python -m experiments.figures --captions` from the logged results; "
+             "`make figures` redraws the PNGs (`python -m experiments.figures --all`).", ""]
+    for spec in FIGURES.values():
+        data, missing = load_data(spec, root)
+        lines += [f"## {spec.name}", ""]
+        if os.path.isfile(os.path.join(out_dir, spec.png)) and not missing:
+            lines += [f"![{spec.name}]({spec.png})", ""]
+        if missing:
+            lines += [f"Not drawn: {skip_message(spec, missing)}", ""]
+        text = caption(spec, data if not missing else None)
+        head, _, commands = text.rpartition("\n\nProduced by:\n")
+        lines += [head, ""]
+        files = [f"`{p}`" + (" (missing)" if p in missing else "") for p in spec.data]
+        files += [f"`{p}` (optional)" for p in spec.extra if p in data]
+        lines += ["Data: " + ", ".join(files), "", "Commands:", "", "```",
+                  *[c.strip() for c in commands.splitlines()], "```", ""]
+    return "\n".join(lines)
+
+
+def list_figures(root: str) -> str:
+    blocks = []
+    for spec in FIGURES.values():
+        data, missing = load_data(spec, root)
+        files = ", ".join(p + (" (missing)" if p in missing else "") for p in spec.data)
+        if spec.extra:
+            files += "; optional: " + ", ".join(p + ("" if p in data else " (missing)") for p in spec.extra)
+        blocks.append(f"{spec.name}  ->  {spec.png}\n  data: {files}\n"
+                      + textwrap.indent(caption(spec), "  "))
+    return "\n\n".join(blocks)
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m experiments.figures", description=__doc__.split("\n")[0],
+                                     allow_abbrev=False)
+    parser.add_argument("--all", action="store_true", help="draw every figure")
+    parser.add_argument("--only", default=None, help="comma-separated figure names")
+    parser.add_argument("--list", action="store_true", help="list the figures, their data files and captions")
+    parser.add_argument("--captions", action="store_true", help="write CAPTIONS.md in --out_dir")
+    parser.add_argument("--out_dir", default=None, help="default: <root>/docs/figures")
+    parser.add_argument("--root", default=".", help="directory holding results/ and docs/figures/ (default: .)")
+    args = parser.parse_args(argv)
+    if args.all and args.only:
+        parser.error("give --all or --only, not both")
+    if not (args.all or args.only or args.list or args.captions):
+        parser.error("give --all, --only=NAME,..., --list or --captions")
+    args.names = list(FIGURES) if args.all else [n.strip() for n in (args.only or "").split(",") if n.strip()]
+    unknown = [n for n in args.names if n not in FIGURES]
+    if unknown:
+        parser.error(f"unknown figure(s) {unknown}; known: {', '.join(FIGURES)}")
+    args.out_dir = args.out_dir or os.path.join(args.root, "docs", "figures")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.list:
+        print(list_figures(args.root))
+        if not args.names and not args.captions:
+            return 0
+    status = {name: draw(FIGURES[name], args.root, args.out_dir) for name in args.names}
+    if args.captions:
+        os.makedirs(args.out_dir, exist_ok=True)
+        path = os.path.join(args.out_dir, "CAPTIONS.md")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(captions_markdown(args.root, args.out_dir))
+        print(f"wrote {path}")
+    bad = {name: s for name, s in status.items() if s != "drawn"}
+    if status:
+        print(f"{len(status) - len(bad)}/{len(status)} figures drawn"
+              + ("; " + ", ".join(f"{n} {s}" for n, s in bad.items()) if bad else ""))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
