@@ -165,3 +165,43 @@ def test_config_errors():
         agent.validate_config(cfg)
     with pytest.raises(ValueError, match="levels"):
         get_config("levels=4")
+
+
+def test_agent_job_end_to_end_and_report(tmp_path):
+    """SFT from expert episodes, one GRPO step, evaluations, outputs; then the report's replay."""
+    import json
+
+    from experiments import agent_report
+    from rlcode.train.metrics import read_jsonl
+
+    cfg = tiny("squid")
+    cfg.workdir = str(tmp_path / "run")
+    cfg.task.num_train, cfg.task.num_demos, cfg.task.num_fresh, cfg.task.num_eval = 6, 3, 1, 1
+    cfg.sft.steps, cfg.sft.batch_size, cfg.sft.cache_dir = 2, 2, str(tmp_path / "cache")
+    cfg.train.steps = 1
+    cfg.rollout.prompts_per_step = 1
+    cfg.eval.num_samples, cfg.eval.batch_rows = 2, 2
+    cfg.log.record_every = 1
+    cfg.agent.max_response_tokens = 192  # the expert's edit turn
+    result = agent.run(cfg, pool=LocalExecutor(), log=lambda m: None)
+    assert result.completed and result.steps_done == 1
+    for key in ("eval_fresh/success", "eval/success", "eval_fresh/pass@1", "eval/best_of_2"):
+        assert key in result.first_eval and key in result.last_eval
+    rows = [r for r in read_jsonl(os.path.join(cfg.workdir, "tb")) if "rollout/success" in r]
+    assert len(rows) == 1
+    m = rows[0]
+    assert m["prefill/tokens_full"] >= m["prefill/tokens_incremental"] >= m["prefill/tokens_documents"] > 0
+    assert np.isfinite(m["train/loss"]) and abs(m["train/is_ess_frac"] - 1) < 1e-3  # sampler = trainer
+    assert os.path.exists(os.path.join(cfg.workdir, "summary.json"))
+    # The expert demonstrations were cached, and the SFT warm start with them.
+    assert any(n.startswith("agent_demos_") for n in os.listdir(cfg.sft.cache_dir))
+
+    out = tmp_path / "agent_repo.json"
+    assert agent_report.main(["--runs", cfg.workdir, "--out", str(out), "--rounds", "1"]) == 0
+    data = json.load(open(out))
+    assert data["curves"]["rollout/success"][0][0] == 1
+    rep = data["replay"]
+    assert rep["full"]["tokens"] == m["prefill/tokens_full"]
+    assert rep["incremental"]["tokens"] == m["prefill/tokens_incremental"]
+    assert rep["documents"]["tokens"] == m["prefill/tokens_documents"]
+    assert data["summary"][0]["eval_fresh/success"]["start"] == result.first_eval["eval_fresh/success"]

@@ -1,0 +1,158 @@
+"""Report of agent RL runs (configs/agent_repo.py): learning curves, prefill accounting, and the
+prefill cost of each sampler replayed on the same recorded episodes.
+
+    python -m experiments.agent_report --runs runs/agent_repo/seed0 --out results/agent_repo.json
+
+Reads only what the runs logged (`tb/metrics.jsonl`, `summary.json`, `config.json` and
+`episodes.jsonl`, the turns the sampler was asked to generate at every `log.record_every`-th
+step) and writes results/agent_repo.json:
+
+* ``curves``: {tag: [[step, value], ...]} of the first run for eval_fresh/success, eval/success,
+  rollout/success, the prefill token counts per step of the three samplers, the saved fraction,
+  step/sample/prefill seconds; ``summary``: start (SFT) and end success of every run with the
+  change, RL minutes, mean prefill tokens per step by sampler.
+* ``replay``: the recorded turns of the first run prefilled again by `rlcode.train.agent.
+  replay_prefill` in each mode – ``documents`` (squid, each distinct read file encoded once and
+  its KV reused across the group's episodes and turns), ``incremental`` (a dense sampler with a
+  per-episode KV cache: every new token prefilled, files included) and ``full`` (the whole
+  context prefilled every turn) – with the same model shape, after a warm-up pass that compiles
+  every shape, in round-robin rounds (medians). Prefill time does not depend on the weights, so
+  the replay uses the config's freshly initialised model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+
+import jax
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from rlcode.models.transformer import init_model
+from rlcode.tokenizer import ByteTokenizer
+from rlcode.train.agent import PREFILL_MODES, replay_prefill
+from rlcode.train.metrics import read_jsonl
+
+CURVE_TAGS = ("eval_fresh/success", "eval/success", "eval_fresh/pass@1", "eval/pass@1", "rollout/success",
+              "rollout/reward", "rollout/turns", "rollout/malformed_calls", "prefill/tokens_full",
+              "prefill/tokens_incremental", "prefill/tokens_documents", "prefill/saved_vs_incremental",
+              "prefill/saved_vs_full", "prefill/seconds", "decode/seconds", "time/step_s", "time/sample_s",
+              "time/train_s", "time/rl_minutes", "train/is_ess", "train/kl_ref")
+
+
+def curves(run_dir: str) -> dict[str, list[list[float]]]:
+    out: dict[str, list[list[float]]] = {}
+    for rec in read_jsonl(os.path.join(run_dir, "tb")):
+        for tag in CURVE_TAGS:
+            if tag in rec and rec[tag] is not None:
+                out.setdefault(tag, []).append([int(rec["step"]), float(rec[tag])])
+    return out
+
+
+def run_summary(run_dir: str, c: dict) -> dict:
+    summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    out = {"run": run_dir, "completed": summary["completed"], "steps": summary["steps_done"],
+           "minutes_total": summary["seconds"] / 60}
+    for tag in ("eval_fresh/success", "eval/success"):
+        if c.get(tag):
+            start, end = c[tag][0][1], c[tag][-1][1]
+            out[tag] = {"start": start, "end": end, "change": end - start, "best": max(v for _, v in c[tag])}
+    if c.get("time/rl_minutes"):
+        out["rl_minutes"] = c["time/rl_minutes"][-1][1]
+    for mode in ("full", "incremental", "documents"):
+        vals = [v for _, v in c.get(f"prefill/tokens_{mode}", [])]
+        if vals:
+            out[f"prefill_tokens_per_step_{mode}"] = float(np.mean(vals))
+    for tag in ("time/step_s", "time/sample_s", "prefill/seconds"):
+        vals = [v for _, v in c.get(tag, [])]
+        if vals:
+            out[f"mean_{tag.replace('/', '_')}"] = float(np.mean(vals))
+    return out
+
+
+def replay(run_dir: str, rounds: int, max_turn_sets: int | None) -> dict:
+    cfg = ml_collections.ConfigDict(json.load(open(os.path.join(run_dir, "config.json"))))
+    recorded = [json.loads(line) for line in open(os.path.join(run_dir, "episodes.jsonl"))]
+    if max_turn_sets:
+        recorded = recorded[:max_turn_sets]
+    turns = [t for rec in recorded for t in rec["turns"]]
+    if not turns:
+        raise ValueError(f"{run_dir}/episodes.jsonl holds no recorded turns (log.record_every = 0?)")
+    model = init_model(cfg.model, 0)
+    graphdef, params = nnx.split(model)
+    tok = ByteTokenizer()
+    rows = max(int(r) for t in turns for r in t) + 1
+    kwargs = dict(max_context=cfg.agent.max_context_tokens, rows=rows)
+    # Episodes of one recorded step start from empty caches; replay each step's turns separately.
+    steps = [rec["turns"] for rec in recorded]
+
+    def one_pass(mode):
+        t0, stats = time.perf_counter(), None
+        for step_turns in steps:
+            s = replay_prefill(graphdef, params, tok, step_turns, mode=mode, **kwargs)
+            stats = s if stats is None else stats + s
+        return time.perf_counter() - t0, stats
+
+    out = {}
+    for mode in PREFILL_MODES:  # warm-up: compiles every shape of the mode
+        out[mode] = {"warmup_s": one_pass(mode)[0], "times_s": []}
+    for _ in range(rounds):
+        for mode in PREFILL_MODES:
+            seconds, stats = one_pass(mode)
+            out[mode]["times_s"].append(seconds)
+            out[mode]["tokens"] = int(stats["tokens_prefilled"] + stats["tokens_documents_encoded"])
+    for mode in PREFILL_MODES:
+        out[mode]["seconds"] = statistics.median(out[mode]["times_s"])
+    out["recorded_steps"] = [rec["step"] for rec in recorded]
+    out["turns"] = len(turns)
+    out["episodes_per_step"] = rows
+    for base in ("incremental", "full"):
+        out[f"speedup_vs_{base}"] = out[base]["seconds"] / out["documents"]["seconds"]
+        out[f"tokens_saved_vs_{base}"] = 1 - out["documents"]["tokens"] / out[base]["tokens"]
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--runs", required=True, help="comma-separated run directories (the first is replayed)")
+    p.add_argument("--out", default="results/agent_repo.json")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--max_turn_sets", type=int, default=None, help="replay only the first N recorded steps")
+    p.add_argument("--no_replay", action="store_true")
+    a = p.parse_args(argv)
+    runs = [r for r in a.runs.split(",") if r]
+    first = curves(runs[0])
+    data = {"command": "python -m experiments.agent_report " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "runs": runs, "curves": first, "summary": [run_summary(r, curves(r)) for r in runs]}
+    cfg_path = os.path.join(runs[0], "config.json")
+    data["config"] = {k: v for k, v in json.load(open(cfg_path)).items() if k in ("task", "agent", "rollout", "train")}
+    if not a.no_replay:
+        data["replay"] = replay(runs[0], a.rounds, a.max_turn_sets)
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(data, f, indent=1)
+    for s in data["summary"]:
+        print(json.dumps(s))
+    if "replay" in data:
+        r = data["replay"]
+        print(f"replay of {r['turns']} turns ({len(r['recorded_steps'])} steps x {r['episodes_per_step']} episodes):")
+        print("| sampler | prefill tokens | seconds (median) |")
+        print("|---|---|---|")
+        for mode in PREFILL_MODES:
+            print(f"| {mode} | {r[mode]['tokens']} | {r[mode]['seconds']:.2f} |")
+        print(f"documents vs incremental: {r['speedup_vs_incremental']:.2f}x faster, "
+              f"{100 * r['tokens_saved_vs_incremental']:.1f}% fewer tokens; vs full: {r['speedup_vs_full']:.2f}x, "
+              f"{100 * r['tokens_saved_vs_full']:.1f}% fewer")
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
