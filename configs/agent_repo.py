@@ -19,6 +19,7 @@ Any field can then be overridden: `--config.rollout.group_size=4`, `--config.tra
 
 import ml_collections
 
+from rlcode.checks import parse_config_arg
 from rlcode.envs.rewards import reward_config
 from rlcode.models.attention import attention_config
 from rlcode.models.transformer import model_config
@@ -34,18 +35,8 @@ AGENT_SHAPE = dict(vocab_size=320, d_model=128, num_layers=4, num_heads=4, num_k
                    ffw_dim=384)
 
 
-def _parse(arg):
-    choices = {"attention": "squid", "loss": "grpo", "levels": "1"}
-    for item in filter(None, (arg or "").split(",")):
-        name, sep, value = item.partition("=")
-        if not sep or name not in choices:
-            raise ValueError(f"config argument {item!r}: expected one of {sorted(choices)} as name=value")
-        choices[name] = value
-    return choices
-
-
 def get_config(arg=None):
-    choices = _parse(arg)
+    choices = parse_config_arg(arg, {"attention": "squid", "loss": "grpo", "levels": "1"})
     if choices["attention"] not in ("squid", "dense"):
         raise ValueError(f"attention={choices['attention']!r}: expected squid or dense")
     if choices["loss"] not in RECIPES or choices["loss"] == "ppo":

@@ -22,6 +22,7 @@ e.g. `--config=configs/grpo_synth.py:loss=dapo,attention=nsa`. Any field can the
 
 import ml_collections
 
+from rlcode.checks import parse_config_arg
 from rlcode.models.attention import attention_config
 from rlcode.models.moe import moe_config
 from rlcode.models.transformer import model_config
@@ -42,18 +43,8 @@ SYNTH_SHAPE = dict(vocab_size=320, d_model=128, num_layers=4, num_heads=4, num_k
                    ffw_dim=384)
 
 
-def _parse(arg):
-    choices = {"loss": "grpo", "attention": "dense", "mlp": "dense"}
-    for item in filter(None, (arg or "").split(",")):
-        name, sep, value = item.partition("=")
-        if not sep or name not in choices:
-            raise ValueError(f"config argument {item!r}: expected one of {sorted(choices)} as name=value")
-        choices[name] = value
-    return choices
-
-
 def get_config(arg=None):
-    choices = _parse(arg)
+    choices = parse_config_arg(arg, {"loss": "grpo", "attention": "dense", "mlp": "dense"})
     cfg = ml_collections.ConfigDict()
     cfg.seed = 0
     cfg.workdir = "runs/grpo_synth"

@@ -56,3 +56,16 @@ def apply_overrides(cfg: Any, overrides: Mapping[str, Any], section: str) -> Non
         if key not in cfg:
             raise ValueError(f"unknown {section} config field {key!r}; known: {sorted(cfg.keys())}")
         setattr(cfg, key, value)
+
+
+def parse_config_arg(arg: str | None, defaults: Mapping[str, str]) -> dict[str, str]:
+    """The choices of a config file's argument (``--config=configs/x.py:a=1,b=2``): `defaults`
+    updated by the comma-separated ``name=value`` items of `arg`; an unknown name or an item
+    without ``=`` raises a ValueError listing the names."""
+    choices = dict(defaults)
+    for item in filter(None, (arg or "").split(",")):
+        name, sep, value = item.partition("=")
+        if not sep or name not in choices:
+            raise ValueError(f"config argument {item!r}: expected one of {sorted(choices)} as name=value")
+        choices[name] = value
+    return choices

@@ -66,7 +66,7 @@ from rlcode.sharding import make_mesh, rules_from_config
 from rlcode.tokenizer import ByteTokenizer, Tokenizer
 from rlcode.train import sft as sft_lib
 from rlcode.train.checkpoint import Checkpointer
-from rlcode.train.loop import RunResult, _StopFlag
+from rlcode.train.loop import RunResult, _StopFlag, default_pool, prepare_workdir
 from rlcode.train.metrics import EventWriter, eval_summary
 from rlcode.train.progress import Progress
 from rlcode.train.step import (init_train_state, make_logprob_fn, make_optimizer, make_train_step,
@@ -591,23 +591,10 @@ def run(cfg: Any, *, pool: Any = None, log: Callable[[str], None] | None = None)
     config.json, summary.json and episodes.jsonl (recorded turns for the prefill replay)."""
     t_start = time.perf_counter()
     validate_config(cfg)
-    workdir = os.path.abspath(cfg.workdir)
-    os.makedirs(workdir, exist_ok=True)
-    ckpt_dir = os.path.join(workdir, "checkpoints")
-    if os.path.isdir(ckpt_dir) and any(n.isdigit() for n in os.listdir(ckpt_dir)) and not cfg.resume:
-        raise ValueError(f"workdir {workdir} already has checkpoints: pass --config.resume=True to continue "
-                         "that run, or choose another --config.workdir")
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-        f.write(cfg.to_json_best_effort(indent=2, sort_keys=True))
+    workdir, ckpt_dir = prepare_workdir(cfg)
     own_pool = pool is None
     if own_pool:
-        import warnings
-
-        from rlcode.sandbox import Limits, SandboxPool  # noqa: PLC0415 (workers start here)
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            pool = SandboxPool(cfg.sandbox.workers, Limits(wall_seconds=cfg.sandbox.timeout))
+        pool = default_pool(cfg.sandbox.workers, cfg.sandbox.timeout)
     writer = EventWriter(os.path.join(workdir, "tb"))
     ckpt = Checkpointer(ckpt_dir, keep=cfg.checkpoint.keep, async_save=True)
     progress: Progress | None = None

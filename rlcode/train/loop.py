@@ -410,6 +410,32 @@ def _stats_text(batch: dict[str, Any], r: Rollout) -> dict[str, Any]:
     return out
 
 
+def prepare_workdir(cfg: Any) -> tuple[str, str]:
+    """(workdir, checkpoint dir) of a job: created, refused when it holds checkpoints and
+    cfg.resume is off, with the config written to config.json."""
+    workdir = os.path.abspath(cfg.workdir)
+    os.makedirs(workdir, exist_ok=True)
+    ckpt_dir = os.path.join(workdir, "checkpoints")
+    has_ckpt = os.path.isdir(ckpt_dir) and any(n.isdigit() for n in os.listdir(ckpt_dir))
+    if has_ckpt and not cfg.resume:
+        raise ValueError(f"workdir {workdir} already has checkpoints: pass --config.resume=True to continue "
+                         "that run, or choose another --config.workdir")
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        f.write(cfg.to_json_best_effort(indent=2, sort_keys=True))
+    return workdir, ckpt_dir
+
+
+def default_pool(workers: int, timeout: float) -> Any:
+    """A `SandboxPool` of `workers` with a wall-clock limit of `timeout` seconds per execution."""
+    import warnings
+
+    from rlcode.sandbox import Limits, SandboxPool  # noqa: PLC0415 (lazy: workers start here)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # workers are fresh interpreters; jax being loaded is harmless
+        return SandboxPool(workers, Limits(wall_seconds=timeout))
+
+
 def run(cfg: Any, *, pool: Any = None, log: Callable[[str], None] | None = None,
         hooks: dict[str, Callable] | None = None) -> RunResult:
     """Run the job of `cfg` (see the module docstring and configs/grpo_synth.py).
@@ -422,25 +448,10 @@ def run(cfg: Any, *, pool: Any = None, log: Callable[[str], None] | None = None,
     hooks = hooks or {}
     devices = jax.devices()
     validate_config(cfg, len(devices))
-    workdir = os.path.abspath(cfg.workdir)
-    os.makedirs(workdir, exist_ok=True)
-    ckpt_dir = os.path.join(workdir, "checkpoints")
-    has_ckpt = os.path.isdir(ckpt_dir) and any(n.isdigit() for n in os.listdir(ckpt_dir))
-    if has_ckpt and not cfg.resume:
-        raise ValueError(f"workdir {workdir} already has checkpoints: pass --config.resume=True to continue "
-                         "that run, or choose another --config.workdir")
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-        f.write(cfg.to_json_best_effort(indent=2, sort_keys=True))
-
+    workdir, ckpt_dir = prepare_workdir(cfg)
     own_pool = pool is None
     if own_pool:
-        from rlcode.sandbox import Limits, SandboxPool  # noqa: PLC0415 (lazy: workers start here)
-
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # workers are fresh interpreters; jax being loaded is harmless
-            pool = SandboxPool(cfg.sandbox.workers, Limits(wall_seconds=cfg.reward.timeout))
+        pool = default_pool(cfg.sandbox.workers, cfg.reward.timeout)
     stop = _StopFlag()
     sampler: AsyncSampler | None = None
     writer = EventWriter(os.path.join(workdir, "tb"))
