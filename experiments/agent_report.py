@@ -37,7 +37,8 @@ from flax import nnx
 
 from rlcode.models.transformer import init_model
 from rlcode.tokenizer import ByteTokenizer
-from rlcode.train.agent import PREFILL_MODES, replay_prefill
+from rlcode.envs import harness, repo_tasks
+from rlcode.train.agent import PREFILL_MODES, _episode_kwargs, build_tasks, replay_prefill, turns_from_segments
 from rlcode.train.metrics import read_jsonl
 
 CURVE_TAGS = ("eval_fresh/success", "eval/success", "eval_fresh/pass@1", "eval/pass@1", "rollout/success",
@@ -77,9 +78,30 @@ def run_summary(run_dir: str, c: dict) -> dict:
     return out
 
 
-def replay(run_dir: str, rounds: int, max_turn_sets: int | None) -> dict:
+def expert_record(cfg, num_tasks: int, group: int, pool) -> list[dict]:
+    """Recorded turns of batches of the scripted expert: each batch is `num_tasks` train tasks x
+    `group` episodes (the expert's episodes of one task are identical, as a group's episodes are
+    wherever they read the same files)."""
+    tok = ByteTokenizer()
+    tasks = build_tasks(cfg)["train"][:num_tasks]
+    kwargs = _episode_kwargs(cfg)
+    segments = []
+    for task in tasks:
+        turns = repo_tasks.expert_turns(task, cfg.agent.expert_style)
+        traj = harness.run_episode(task, harness.ScriptedPolicy(tok, turns), pool, tok,
+                                   **dict(kwargs, max_turns=len(turns)))
+        try:
+            segments += [traj.segments[0]] * group
+        finally:
+            import shutil
+            shutil.rmtree(traj.workdir, ignore_errors=True)
+    return [{"step": "expert", "turns": [{str(r): v for r, v in call.items()} for call in turns_from_segments(segments)]}]
+
+
+def replay(run_dir: str, rounds: int, max_turn_sets: int | None, recorded: list[dict] | None = None) -> dict:
     cfg = ml_collections.ConfigDict(json.load(open(os.path.join(run_dir, "config.json"))))
-    recorded = [json.loads(line) for line in open(os.path.join(run_dir, "episodes.jsonl"))]
+    if recorded is None:
+        recorded = [json.loads(line) for line in open(os.path.join(run_dir, "episodes.jsonl"))]
     if max_turn_sets:
         recorded = recorded[:max_turn_sets]
     turns = [t for rec in recorded for t in rec["turns"]]
@@ -126,6 +148,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max_turn_sets", type=int, default=None, help="replay only the first N recorded steps")
     p.add_argument("--no_replay", action="store_true")
+    p.add_argument("--expert", default="", help="P,G: also replay batches of the scripted expert on P train "
+                   "tasks x G episodes each (episodes that read the right files)")
     a = p.parse_args(argv)
     runs = [r for r in a.runs.split(",") if r]
     first = curves(runs[0])
@@ -135,14 +159,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     data["config"] = {k: v for k, v in json.load(open(cfg_path)).items() if k in ("task", "agent", "rollout", "train")}
     if not a.no_replay:
         data["replay"] = replay(runs[0], a.rounds, a.max_turn_sets)
+    if a.expert:
+        from rlcode.train.loop import default_pool  # noqa: PLC0415
+
+        P, G = (int(x) for x in a.expert.split(","))
+        cfg = ml_collections.ConfigDict(json.load(open(cfg_path)))
+        pool = default_pool(cfg.sandbox.workers, cfg.sandbox.timeout)
+        try:
+            recorded = expert_record(cfg, P, G, pool)
+        finally:
+            pool.close()
+        data["replay_expert"] = replay(runs[0], a.rounds, None, recorded)
+        data["replay_expert"]["tasks"], data["replay_expert"]["group"] = P, G
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(data, f, indent=1)
     for s in data["summary"]:
         print(json.dumps(s))
-    if "replay" in data:
-        r = data["replay"]
-        print(f"replay of {r['turns']} turns ({len(r['recorded_steps'])} steps x {r['episodes_per_step']} episodes):")
+    for name in ("replay", "replay_expert"):
+        if name not in data:
+            continue
+        r = data[name]
+        print(f"{name} of {r['turns']} turns ({len(r['recorded_steps'])} steps x {r['episodes_per_step']} episodes):")
         print("| sampler | prefill tokens | seconds (median) |")
         print("|---|---|---|")
         for mode in PREFILL_MODES:

@@ -319,7 +319,8 @@ def draw_agent_repo(record: dict, out: str) -> str:
          "curves": {tag: [[step, value], ...]} for eval_fresh/success, eval/success, rollout/success,
                    prefill/tokens_full, prefill/tokens_incremental, prefill/tokens_documents,
                    prefill/saved_vs_incremental,
-         "replay": {"documents" | "incremental" | "full": {"tokens": int, "seconds": float}} (optional),
+         "replay" / "replay_expert": {"documents" | "incremental" | "full": {"tokens": int, "seconds":
+                   float}, "turns", "episodes_per_step", ...} (optional; replay_expert drawn if present),
          "summary": {...}}
 
     Panels: success rate through training (the eval sets at their evaluations, rollouts as a
@@ -328,7 +329,8 @@ def draw_agent_repo(record: dict, out: str) -> str:
     the file lacks is left out."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: PLC0415
 
-    replay = record.get("replay") or {}
+    # The expert batch (episodes that read the right files) when present, else the run's own turns.
+    replay = record.get("replay_expert") or record.get("replay") or {}
     fig = _figure(5.2 * (3 if replay else 2) + 0.5, 4.4)
     axes = fig.subplots(1, 3 if replay else 2, squeeze=False).ravel()
     ax = axes[0]
@@ -367,14 +369,16 @@ def draw_agent_repo(record: dict, out: str) -> str:
             ax.text(0.5, 0.5, "no data in results/agent_repo.json", ha="center", transform=ax.transAxes)
     if replay:
         ax = axes[2]
-        modes = [m for m in AGENT_SAMPLERS if m in replay] + [m for m in replay if m not in AGENT_SAMPLERS]
+        modes = [m for m in AGENT_SAMPLERS if m in replay]
         bars = ax.bar(modes, [replay[m]["seconds"] for m in modes],
                       color=[f"C{AGENT_SAMPLERS.index(m) if m in AGENT_SAMPLERS else 3 + i}" for i, m in enumerate(modes)])
         for bar, m in zip(bars, modes):
             ax.annotate(f"{replay[m]['tokens']:,} tokens", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                         ha="center", va="bottom", fontsize="small")
         ax.set_ylabel("seconds")
-        ax.set_title("replay: the same recorded turns prefilled per mode", fontsize="medium")
+        what = (f"{replay['tasks']} tasks x {replay['group']} expert episodes" if "tasks" in replay
+                else "the run's recorded turns")
+        ax.set_title(f"prefill replay: {what}", fontsize="medium")
         ax.grid(True, axis="y", alpha=0.3)
     runs = record.get("runs") or []
     fig.suptitle(f"Agent RL on repository tasks ({len(runs)} run{'s' if len(runs) != 1 else ''})")
@@ -385,6 +389,8 @@ def draw_agent_repo(record: dict, out: str) -> str:
 def agent_repo_notes(data: dict) -> str:
     record = data["results/agent_repo.json"]
     summary = record.get("summary") or {}
+    if isinstance(summary, list):  # one entry per run (experiments.agent_report)
+        summary = summary[0] if summary else {}
     scalars = [f"{k} = {v:.4g}" if isinstance(v, float) else f"{k} = {v}" for k, v in summary.items()
                if isinstance(v, (int, float, str, bool))]
     return f"Runs: {', '.join(record.get('runs') or []) or '?'}." + (f" Summary: {'; '.join(scalars)}." if scalars else "")

@@ -741,6 +741,20 @@ def run(cfg: Any, *, pool: Any = None, log: Callable[[str], None] | None = None)
 # --------------------------------------------------------------------------------------------
 
 
+def turns_from_segments(rows: Sequence[harness.Segment]) -> list[dict[int, tuple[list[int], list[tuple[int, int]]]]]:
+    """The requests a sampler received while generating these segments (one per row, the
+    episodes of one batch): call k holds, for every row with a k-th generation, the context
+    before it and the document spans inside that context (`SessionSampler.record`'s format)."""
+    calls: list[dict] = []
+    for row, seg in enumerate(rows):
+        starts = [i for i, m in enumerate(seg.policy_mask) if m and (i == 0 or not seg.policy_mask[i - 1])]
+        for k, i in enumerate(starts):
+            while len(calls) <= k:
+                calls.append({})
+            calls[k][row] = (list(seg.ids[:i]), [(a, b) for a, b in seg.documents if b <= i])
+    return calls
+
+
 def replay_prefill(graphdef: Any, params: Any, tokenizer: Tokenizer, turns: Sequence[dict], *, mode: str,
                    max_context: int, rows: int) -> collections.Counter:
     """Prefill the recorded turns (`SessionSampler.record`: one {row: (ids, spans)} per
