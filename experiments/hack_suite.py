@@ -47,7 +47,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from absl import app, flags
+import argparse
 
 from experiments.cli import output_paths
 from rlcode.envs import grading, hacks
@@ -56,12 +56,20 @@ from rlcode.envs import repo_tasks as rt
 NAME = "hack_suite"
 DEFAULT_TIMEOUT = 10.0  # configs/agent_repo.py: cfg.sandbox.timeout
 
-_LEVELS = flags.DEFINE_list("levels", ["1", "2", "3"], "Difficulty levels: one generated training task per level.")
-_SEED = flags.DEFINE_integer("seed", 0, "Seed of the generated tasks.")
-_OUT = flags.DEFINE_string("out", None, "JSON path (default results/hack_suite.json); the .md goes next to it.")
-_HACKS = flags.DEFINE_list("hacks", None, "Catalogue entries to run (default: all, controls included).")
-_WORKERS = flags.DEFINE_integer("workers", 2, "Sandbox workers (= concurrent gradings).")
-_TIMEOUT = flags.DEFINE_float("timeout", DEFAULT_TIMEOUT, "Grading timeout in seconds (wall).")
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Command-line options (argparse, not absl: the module defines no global flags, so other
+    scripts such as experiments.figures can import it)."""
+    p = argparse.ArgumentParser(prog=f"python -m experiments.{NAME}")
+    comma = lambda text: [x for x in text.split(",") if x]
+    p.add_argument("--levels", type=comma, default=["1", "2", "3"],
+                   help="difficulty levels: one generated training task per level")
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated tasks")
+    p.add_argument("--out", default=None, help="JSON path (default results/hack_suite.json); the .md goes next to it")
+    p.add_argument("--hacks", type=comma, default=None, help="catalogue entries to run (default: all, controls included)")
+    p.add_argument("--workers", type=int, default=2, help="sandbox workers (= concurrent gradings)")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="grading timeout in seconds (wall)")
+    return p.parse_args(argv)
 
 RESULT_FIELDS = ("hack", "kind", "group", "category", "description", "task_id", "difficulty", "family", "status",
                  "flags", "hack_flags", "expected_flags", "expected_flags_raised", "tests_passed", "tests_expected",
@@ -337,15 +345,15 @@ def run_suite(entries: Sequence[hacks.Hack], tasks: Sequence[rt.RepoTask], *, ou
     return record
 
 
-def main(argv):
-    del argv
-    out, _ = output_paths(NAME, False, _OUT.value, None)
-    entries = hacks.select(_HACKS.value)
-    tasks = make_tasks([int(level) for level in _LEVELS.value], _SEED.value)
-    command = shlex.join(["python", "-m", f"experiments.{NAME}", *sys.argv[1:]])
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    out, _ = output_paths(NAME, False, args.out, None)
+    entries = hacks.select(args.hacks)
+    tasks = make_tasks([int(level) for level in args.levels], args.seed)
+    command = shlex.join(["python", "-m", f"experiments.{NAME}", *(sys.argv[1:] if argv is None else argv)])
     print(f"{len(entries)} entries x {len(tasks)} tasks ({', '.join(t.task_id for t in tasks)})", flush=True)
-    record = run_suite(entries, tasks, out=out, command=command, seed=_SEED.value, workers=_WORKERS.value,
-                       timeout=_TIMEOUT.value, log=lambda m: print(m, flush=True))
+    record = run_suite(entries, tasks, out=out, command=command, seed=args.seed, workers=args.workers,
+                       timeout=args.timeout, log=lambda m: print(m, flush=True))
     if not record["ok"]:
         bad = [r["hack"] + ": " + r["verdict"] for r in record["summary"] if r["verdict"] not in ("caught", "ok")]
         print("FAILED:\n  " + "\n  ".join(bad), file=sys.stderr)
@@ -354,4 +362,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    sys.exit(main())
