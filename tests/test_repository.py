@@ -33,6 +33,21 @@ def test_top_level_layout():
     assert "Apache License" in open(os.path.join(ROOT, "LICENSE")).read()
 
 
+def test_readme_figures_exist_and_are_regenerated_by_the_figure_script():
+    """Every image the README shows is committed, and `make figures` redraws it from logged data."""
+    text = open(os.path.join(ROOT, "README.md")).read()
+    images = re.findall(r"!\[[^\]]*\]\((docs/figures/[^)]+\.png)\)", text)
+    assert len(images) >= 8
+    for path in images:
+        assert os.path.getsize(os.path.join(ROOT, path)) > 10_000, path
+    makefile = open(os.path.join(ROOT, "Makefile")).read()
+    assert "-m experiments.figures --all" in makefile
+    from experiments import figures
+
+    drawn = {f"docs/figures/{spec.name}.png" for spec in figures.FIGURES.values()}
+    assert set(images) <= drawn, sorted(set(images) - drawn)
+
+
 def test_readme_examples_run():
     """The README's python blocks run in order, in one namespace, as a reader would paste them."""
     text = open(os.path.join(ROOT, "README.md")).read()
