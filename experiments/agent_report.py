@@ -25,12 +25,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import time
 from collections.abc import Sequence
 
-import jax
 import ml_collections
 import numpy as np
 from flax import nnx
@@ -93,7 +93,6 @@ def expert_record(cfg, num_tasks: int, group: int, pool) -> list[dict]:
         try:
             segments += [traj.segments[0]] * group
         finally:
-            import shutil
             shutil.rmtree(traj.workdir, ignore_errors=True)
     return [{"step": "expert", "turns": [{str(r): v for r, v in call.items()} for call in turns_from_segments(segments)]}]
 

@@ -54,7 +54,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from flax import nnx
 
@@ -523,7 +522,7 @@ def prefill_metrics(stats: collections.Counter, prefix: str = "prefill") -> dict
            f"{prefix}/tokens_documents": float(documents),
            f"{prefix}/document_tokens_in_context": float(stats["tokens_new_documents"]),
            f"{prefix}/document_tokens_encoded": float(stats["tokens_documents_encoded"]),
-           f"{prefix}/seconds": float(stats["prefill_s"]), f"decode/seconds": float(stats["decode_s"])}
+           f"{prefix}/seconds": float(stats["prefill_s"]), "decode/seconds": float(stats["decode_s"])}
     if stats["tokens_new"]:
         out[f"{prefix}/saved_vs_incremental"] = 1.0 - documents / stats["tokens_new"]
         out[f"{prefix}/saved_vs_full"] = 1.0 - documents / stats["tokens_full"]

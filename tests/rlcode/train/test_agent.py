@@ -18,8 +18,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "envs"))
 from local_executor import LocalExecutor  # noqa: E402
 
 from configs.agent_repo import get_config  # noqa: E402
-from rlcode import sampling  # noqa: E402
-from rlcode.envs import harness, repo_tasks  # noqa: E402
+from rlcode.envs import repo_tasks  # noqa: E402
 from rlcode.models.attention import AttentionMask  # noqa: E402
 from rlcode.models.transformer import init_model, model_config  # noqa: E402
 from rlcode.tokenizer import ByteTokenizer  # noqa: E402
