@@ -269,7 +269,6 @@ class _Episode:
         self.max_response, self.summary_prompt = max_response_tokens, summary_prompt
         self.max_total, self.registry = max_total_tokens, registry
         self.document_tools, self.pass_documents = frozenset(document_tools), pass_documents
-        self.shown: list[str] = []
         self.base_messages = [{"role": "system", "content": system_prompt},
                               {"role": "user", "content": task.instruction}]
         self.gen_prompt = tokenizer.encode_chat([], add_generation_prompt=True)[0]
@@ -377,13 +376,15 @@ class _Episode:
                                         outcome.status, error)
         return records  # type: ignore[return-value]
 
-    def add_tool_message(self, seg: Segment, turn: Turn, message: dict[str, Any]) -> None:
-        """Append the tool message; record the observations of `document_tools` calls that were
-        shown in full as document spans (located in the rendered ids, so a tokenizer that merges
-        across the observation's boundary simply yields no document)."""
+    def add_message(self, seg: Segment, turn: Turn, message: dict[str, Any], shown: Sequence[str]) -> None:
+        """Append the message answering `turn`; `shown` are the observations of its calls as the
+        message shows them. Those of `document_tools` calls shown in full are recorded as
+        document spans (located in the rendered ids, so a tokenizer that merges across an
+        observation's boundary simply yields no document)."""
+        seg.messages.append(message)
         rendered = self._render([message])
         offset, cursor = len(seg.ids), 0
-        for call, shown in zip(turn.calls, self.shown):
+        for call, shown in zip(turn.calls, shown):
             enc = self.tok.encode(shown)
             at = _find(rendered, enc, cursor) if enc else -1
             if at < 0:
@@ -394,12 +395,13 @@ class _Episode:
         seg.extend(rendered, 0, turn.index)
 
     def fit_message(self, seg: Segment, message: dict[str, Any],
-                    observations: list[str] | None = None) -> dict[str, Any] | None:
-        """`message` (for a tool message: built from `observations`, shortened as needed) such
-        that `after_turn_reserve` tokens stay free; None if it cannot fit at all."""
+                    observations: list[str] | None = None) -> tuple[dict[str, Any] | None, list[str]]:
+        """(`message`, the observations as shown) such that `after_turn_reserve` tokens stay
+        free: a tool message is built from `observations`, shortened as needed. (None, []) if it
+        cannot fit at all."""
         room = self.max_context - len(seg.ids) - self.after_turn_reserve
         if observations is None:
-            return message if len(self._render([message])) <= room else None
+            return (message if len(self._render([message])) <= room else None), []
         cap = max((len(o) for o in observations), default=0)
         while True:
             shown = [o if len(o) <= cap else o[:cap] + "\n[... observation cut to fit the context window]"
@@ -407,10 +409,9 @@ class _Episode:
             candidate = dict(message, content=format_tool_message(shown))
             size = len(self._render([candidate]))
             if size <= room:
-                self.shown = shown
-                return candidate
+                return candidate, shown
             if cap == 0 or room <= 0:
-                return None
+                return None, []
             cap = max(min(int(cap * room / size), cap - 1) - 1, 0)
 
 
@@ -524,21 +525,17 @@ def _loop(ep: _Episode) -> str:
             return "max_turns"
         if parsed:
             names = ",".join(c.name or "?" for c in turn.calls)
-            message = ep.fit_message(seg, {"role": "tool", "content": "", "name": names},
-                                     [c.observation for c in turn.calls])
+            message, shown = ep.fit_message(seg, {"role": "tool", "content": "", "name": names},
+                                            [c.observation for c in turn.calls])
         else:
-            message = ep.fit_message(seg, {"role": "user", "content": NO_CALL_REMINDER})
+            message, shown = ep.fit_message(seg, {"role": "user", "content": NO_CALL_REMINDER})
         if message is None:
             # No room for the observations: without summarisation the episode cannot go on;
             # with it, the summary request (for which room is reserved) follows.
             if ep.summary_request is None:
                 return "context"
             continue
-        seg.messages.append(message)
-        if parsed:
-            ep.add_tool_message(seg, turn, message)
-        else:
-            seg.extend(ep._render([message]), 0, turn.index)
+        ep.add_message(seg, turn, message, shown)
 
 
 def _find(seq: list[int], sub: list[int], start: int) -> int:

@@ -172,31 +172,33 @@ class SessionSampler:
 
     def _write_documents(self, items: list[tuple[int, list[int]]]) -> None:
         Nd, Ld = _bucket(len(items), 4), _bucket(max(len(t) for _, t in items), 64)
-        first = self.documents[tuple(items[0][1])]
-        shape = (first.k.shape[0], Nd, Ld) + first.k.shape[2:]
-        k, v = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+        docs = [self.documents[tuple(t)] for _, t in items]
         rows = np.full(Nd, self.rows, np.int32)
         starts = np.zeros(Nd, np.int32)
         doc_start = np.zeros(Nd, np.int32)
-        for i, (r, t) in enumerate(items):
-            kv = self.documents[tuple(t)]
-            k[:, i, : len(t)], v[:, i, : len(t)] = np.asarray(kv.k), np.asarray(kv.v)
+        for i, ((r, _), kv) in enumerate(zip(items, docs)):
             rows[i], starts[i], doc_start[i] = r, self.lengths[r], kv.start
-        dtype = self.cache.k.dtype
-        self.cache = sampling.write_documents(self.cache, rows, starts, jnp.asarray(k, dtype), jnp.asarray(v, dtype),
-                                              doc_start, theta=self.model.cfg.rope_theta)
+
+        def stacked(arrays):  # [L, Nd, Ld, K, H], on the device the documents live on
+            dtype = self.cache.k.dtype
+            padded = [jnp.pad(a.astype(dtype), ((0, 0), (0, Ld - a.shape[1]), (0, 0), (0, 0))) for a in arrays]
+            padded += [jnp.zeros_like(padded[0])] * (Nd - len(arrays))
+            return jnp.stack(padded, axis=1)
+
+        self.cache = sampling.write_documents(self.cache, rows, starts, stacked([kv.k for kv in docs]),
+                                              stacked([kv.v for kv in docs]), doc_start, theta=self.model.cfg.rope_theta)
         for r, t in items:
             self.lengths[r] += len(t)
 
     def prefill(self, requests: dict[int, tuple[list[int], Sequence[tuple[int, int]]]]) -> dict[int, jax.Array]:
         """Bring every requested row's cache up to its context; returns each row's last hidden."""
         t0 = time.perf_counter()
-        plans = {r: self._plan(r, list(ids), spans) for r, (ids, spans) in sorted(requests.items())}
         for r, (ids, _) in requests.items():
             if len(ids) > self.max_context:
                 raise ValueError(f"row {r}: context of {len(ids)} tokens exceeds max_context={self.max_context}")
             if not ids:
                 raise ValueError(f"row {r}: empty context")
+        plans = {r: self._plan(r, list(ids), spans) for r, (ids, spans) in sorted(requests.items())}
         if self.mode == "documents":
             self._encode_new_documents(plans)
         last: dict[int, jax.Array] = {}
@@ -300,6 +302,7 @@ class Episode:
     terms: dict[str, float]
     flags: tuple[str, ...]
     valid: bool
+    hacked: bool  # the grade raised one of reward.hack_flags
     success: bool  # every held-out test passed and no hack flag was raised
     behavior_logp: np.ndarray | None = None  # the sampler's log-probs of the sampled tokens, in order
 
@@ -318,7 +321,7 @@ def _grade(task, traj, pool, cfg) -> Episode:
     reward, terms, flags, valid = rewards.compute_reward(grade, traj, task, cfg.reward)
     hacked = bool(set(flags) & set(cfg.reward.hack_flags))
     success = valid and grade.status == "ok" and grade.all_passed and not hacked
-    return Episode(task, traj, reward, terms, flags, valid, success)
+    return Episode(task, traj, reward, terms, flags, valid, hacked, success)
 
 
 def play_episodes(tasks: Sequence[repo_tasks.RepoTask], sampler: SessionSampler, params: Any, key: jax.Array,
@@ -479,8 +482,7 @@ def training_batch(episodes: Sequence[Episode], cfg: Any, pad_id: int, row_multi
     row = 0
     for count, logp in streams:
         if logp is None:
-            row += count
-            continue
+            raise ValueError(f"episode rows {row}..{row + count}: no behaviour log-probs (play it with play_episodes)")
         sampled = batch["mask"][row:row + count]
         if int(sampled.sum()) != len(logp):
             raise ValueError(f"episode rows {row}..{row + count}: {int(sampled.sum())} sampled tokens but "
@@ -507,7 +509,7 @@ def episode_metrics(episodes: Sequence[Episode], prefix: str) -> dict[str, float
         f"{prefix}/submitted": float(np.mean([t.submitted for t in trajs])),
         f"{prefix}/summaries": float(np.mean([t.num_summaries for t in trajs])),
         f"{prefix}/invalid": float(np.mean([not e.valid for e in episodes])),
-        f"{prefix}/hack_flagged": float(np.mean([bool(set(e.flags) & set(rewards.DEFAULT_HACK_FLAGS)) for e in episodes])),
+        f"{prefix}/hack_flagged": float(np.mean([e.hacked for e in episodes])),
     }
     for term in rewards.TERMS:
         out[f"{prefix}/reward_{term}"] = float(np.mean([e.terms.get(term, 0.0) for e in episodes]))

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "envs"))
 from local_executor import LocalExecutor  # noqa: E402
 
 from configs.agent_repo import get_config  # noqa: E402
-from rlcode.envs import repo_tasks  # noqa: E402
+from rlcode.envs import harness, repo_tasks  # noqa: E402
 from rlcode.models.attention import AttentionMask  # noqa: E402
 from rlcode.models.transformer import init_model, model_config  # noqa: E402
 from rlcode.tokenizer import ByteTokenizer  # noqa: E402
@@ -204,3 +204,34 @@ def test_agent_job_end_to_end_and_report(tmp_path):
     assert rep["incremental"]["tokens"] == m["prefill/tokens_incremental"]
     assert rep["documents"]["tokens"] == m["prefill/tokens_documents"]
     assert data["summary"][0]["eval_fresh/success"]["start"] == result.first_eval["eval_fresh/success"]
+
+
+def test_expert_turns_replay_encodes_each_file_once_per_batch(tmp_path):
+    """turns_from_segments rebuilds the sampler's requests from finished segments; replaying two
+    identical expert episodes encodes each read file once and copies it into both."""
+    cfg = tiny("squid")
+    cfg.agent.max_response_tokens = 192
+    task = repo_tasks.generate_task(1, difficulty=3)
+    kwargs = agent._episode_kwargs(cfg)
+    turns = repo_tasks.expert_turns(task, "compact")
+    traj = harness.run_episode(task, harness.ScriptedPolicy(TOK, turns), LocalExecutor(), TOK, root=tmp_path,
+                               **dict(kwargs, max_turns=len(turns)))
+    seg = traj.segments[0]
+    assert len(seg.documents) == 2
+    calls = agent.turns_from_segments([seg, seg])
+    assert len(calls) == traj.num_turns == 4
+    previous = 0
+    for call in calls:
+        assert sorted(call) == [0, 1]
+        ids, spans = call[0]
+        n = len(ids)
+        assert n > previous and ids == seg.ids[:n] and seg.policy_mask[n] == 1 and seg.policy_mask[n - 1] == 0
+        assert spans == [d for d in seg.documents if d[1] <= n]
+        previous = n
+    model = init_model(cfg.model, seed=0)
+    g, p = nnx.split(model)
+    stats = agent.replay_prefill(g, p, TOK, calls, mode="documents", max_context=cfg.agent.max_context_tokens, rows=2)
+    doc_tokens = sum(b - a for a, b in seg.documents)
+    assert stats["tokens_documents_encoded"] == doc_tokens
+    assert stats["tokens_new_documents"] == 2 * doc_tokens
+    assert stats["tokens_new"] == 2 * len(calls[-1][0][0])
