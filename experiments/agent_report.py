@@ -151,9 +151,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "tasks x G episodes each (episodes that read the right files)")
     a = p.parse_args(argv)
     runs = [r for r in a.runs.split(",") if r]
-    first = curves(runs[0])
+    per_run = [curves(r) for r in runs]
     data = {"command": "python -m experiments.agent_report " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "runs": runs, "curves": first, "summary": [run_summary(r, curves(r)) for r in runs]}
+            "runs": runs, "curves": per_run[0], "summary": [run_summary(r, c) for r, c in zip(runs, per_run)]}
     cfg_path = os.path.join(runs[0], "config.json")
     data["config"] = {k: v for k, v in json.load(open(cfg_path)).items() if k in ("task", "agent", "rollout", "train")}
     if not a.no_replay:

@@ -235,8 +235,9 @@ def encode_documents(model: nnx.Module, docs, *, start: int = 0, pad_to: int = 1
 
 
 def rotate_keys(k: jax.Array, delta: int, theta: float) -> jax.Array:
-    """Move cached keys [..., L, K, H] by `delta` positions: RoPE is a rotation, R(p + d) = R(d) R(p)."""
-    if delta == 0:
+    """Move cached keys [..., L, K, H] by `delta` positions (an int, or a traced scalar under
+    jit/vmap): RoPE is a rotation, R(p + d) = R(d) R(p)."""
+    if isinstance(delta, int) and delta == 0:
         return k
     flat = k.reshape((-1,) + k.shape[-3:])
     moved = apply_rope(flat, jnp.full(flat.shape[:2], delta, jnp.int32), theta)
@@ -404,10 +405,8 @@ def write_documents(cache: SessionCache, rows, starts, doc_k, doc_v, doc_start, 
     [L, Nd, Ld, K, H] (right-padded) were encoded with their first token at doc_start [Nd]; keys
     are rotated by starts - doc_start (RoPE is a rotation). Padding slots past a document's end
     are written too; they lie beyond the row's filled length."""
-    L, Nd, Ld, K, H = doc_k.shape
-    flat = doc_k.transpose(1, 0, 2, 3, 4).reshape(Nd, L * Ld, K, H)
-    delta = jnp.broadcast_to((starts - doc_start)[:, None], (Nd, L * Ld)).astype(jnp.int32)
-    moved = apply_rope(flat, delta, theta).reshape(Nd, L, Ld, K, H).transpose(1, 0, 2, 3, 4)
+    rotate = lambda k, delta: rotate_keys(k, delta, theta)
+    moved = jax.vmap(rotate, in_axes=(1, 0), out_axes=1)(doc_k, (starts - doc_start).astype(jnp.int32))
     ck = _write_rows(cache.k[:, rows], moved, starts)
     cv = _write_rows(cache.v[:, rows], doc_v, starts)
     return SessionCache(cache.k.at[:, rows].set(ck), cache.v.at[:, rows].set(cv))
