@@ -3,7 +3,9 @@
     python -m experiments.bench_sandbox            # full run, writes results/bench_sandbox.json
     python -m experiments.bench_sandbox --quick    # a few seconds per cell
 
-Programs: `/bin/true` (argv), `python -c "print(1)"`, and a small pytest file (two tests). Each is
+Programs: `/bin/true` (argv), `python -c "print(1)"`, a small pytest file (two tests), and a shell
+command that reads the 20 files of a workdir and writes one (the pool copies the workdir into the
+execution's private tmpfs and the new file back; each client has a workdir of its own). Each is
 run by
 
   pool            SandboxPool (fork-server workers, pytest pre-imported and warmed up for the
@@ -50,10 +52,11 @@ from experiments.cli import output_paths
 from rlcode.sandbox import Limits, SandboxPool
 from rlcode.sandbox import _wire
 from rlcode.sandbox import cgroups as cg_lib
+from rlcode.sandbox import fstree
 
 _QUICK = flags.DEFINE_bool("quick", False, "Few iterations per cell (seconds in total).")
 _WORKERS = flags.DEFINE_list("workers", ["1", "2"], "Concurrency levels (pool workers = client threads).")
-_CASES = flags.DEFINE_list("cases", ["true", "python", "pytest"], "Programs to run.")
+_CASES = flags.DEFINE_list("cases", ["true", "python", "pytest", "workdir"], "Programs to run.")
 _ROUNDS = flags.DEFINE_integer("rounds", 4, "Interleaved rounds per cell.")
 _OUT = flags.DEFINE_string("out", None, "JSON output (default results/bench_sandbox.json, _quick with --quick).")
 _PNG = flags.DEFINE_string("png", None, "PNG (default docs/figures/bench_sandbox.png; next to the JSON with --quick or --out).")
@@ -69,7 +72,13 @@ PER_ROUND = {
     ("python", "unshare_cli"): (25, 3),
     ("pytest", "pool"): (6, 1), ("pytest", "pool_inprocess"): (30, 4), ("pytest", "fresh"): (5, 1),
     ("pytest", "unshare_cli"): (5, 1),
+    ("workdir", "pool"): (100, 10), ("workdir", "pool_lean"): (100, 10), ("workdir", "pool_inprocess"): (100, 10),
+    ("workdir", "fresh"): (25, 3), ("workdir", "unshare_cli"): (50, 5),
 }
+# The workdir case: 20 modules of about 1 KB.
+WORKDIR_FILES = {f"pkg/mod{i:02d}.py": f"# module {i}\n" + "".join(f"X{j} = {j}\n" for j in range(100))
+                 for i in range(20)}
+WORKDIR_BYTES = sum(len(v) for v in WORKDIR_FILES.values())
 
 
 def _case(name: str, python: str) -> dict:
@@ -82,6 +91,11 @@ def _case(name: str, python: str) -> dict:
         code = f"import sys, pytest; sys.exit(pytest.main({PYTEST_ARGS!r}))"
         return dict(argv=[python, "-m", "pytest", *PYTEST_ARGS], code=code, files={"test_small.py": TEST_FILE},
                     check=lambda out: b"2 passed" in out)
+    if name == "workdir":
+        code = ("import glob; print(sum(len(open(p).read()) for p in glob.glob('pkg/*.py'))); "
+                "open('out.txt', 'w').write('x')")
+        return dict(argv=["/bin/sh", "-c", "cat pkg/*.py | wc -c; echo x > out.txt"], code=code, files=None,
+                    workdir=True, check=lambda out: out.strip() == str(WORKDIR_BYTES).encode())
     raise ValueError(name)
 
 
@@ -95,8 +109,9 @@ class _Fresh:
                     "cgroup_dirs": [d for _, d in self.cgroup.dirs], "limits": LIMITS.to_dict(), "python": python}
         self.plan = dict(plan, shared_ns=0)  # nothing survives between fresh processes
 
-    def run(self, case: dict) -> bytes:
-        req = {"argv": case["argv"], "files": case["files"], "timeout": 60.0, "limits": LIMITS.to_dict()}
+    def run(self, case: dict, workdir: str | None = None) -> bytes:
+        req = {"argv": case["argv"], "files": case["files"], "timeout": 60.0, "limits": LIMITS.to_dict(),
+               "workdir": workdir}
         proc = subprocess.run([self.python, "-s", "-m", "rlcode.sandbox.worker", "--oneshot"],
                               input=_wire.dumps((self.cfg, self.plan, req)), capture_output=True,
                               cwd=self.package_root, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}, check=True)
@@ -109,7 +124,7 @@ class _Fresh:
         self.cgroup.remove()
 
 
-def _unshare_cli_run(case: dict) -> bytes:
+def _unshare_cli_run(case: dict, workdir: str | None = None) -> bytes:
     def limits():
         for res, value in ((resource.RLIMIT_CPU, int(LIMITS.cpu_seconds)), (resource.RLIMIT_AS, LIMITS.address_space_bytes),
                            (resource.RLIMIT_FSIZE, LIMITS.file_size_bytes), (resource.RLIMIT_NOFILE, LIMITS.open_files),
@@ -121,15 +136,16 @@ def _unshare_cli_run(case: dict) -> bytes:
         for rel, content in (case["files"] or {}).items():
             with open(os.path.join(tmp, rel), "w") as f:
                 f.write(content)
+        cwd = workdir or tmp  # in place: this baseline has no private copy
         cmd = ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--kill-child", "--mount",
                "--mount-proc", "--net", "--ipc", "--uts", "--", *case["argv"]]
         env = {"PATH": f"{os.path.dirname(sys.executable)}:/usr/bin:/bin", "HOME": tmp, "LANG": "C.UTF-8"}
-        proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, preexec_fn=limits, timeout=60)
+        proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, preexec_fn=limits, timeout=60)
         if proc.returncode != 0:
             raise RuntimeError(f"unshare execution failed ({proc.returncode}): {proc.stderr[-500:]!r}")
         return proc.stdout
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        fstree.remove(tmp)
 
 
 def _drive(fn, clients: int, per_client: int, check) -> tuple[float, list[float]]:
@@ -172,16 +188,31 @@ def _pct(xs: list[float], q: float) -> float:
 def bench_cell(case_name: str, clients: int, pool: SandboxPool, lean: SandboxPool, fresh: list[_Fresh],
                quick: bool) -> list[dict]:
     case = _case(case_name, pool.python)
+    wds = [None] * clients  # one workdir per client: the pool serialises executions on one workdir
+    if case.get("workdir"):
+        wds = [tempfile.mkdtemp(prefix="bench-workdir-") for _ in range(clients)]
+        for wd in wds:
+            fstree.write_files(wd, WORKDIR_FILES)
+    try:
+        return _bench_methods(case_name, case, clients, pool, lean, fresh, quick, wds)
+    finally:
+        for wd in wds:
+            if wd is not None:
+                fstree.remove(wd)
+
+
+def _bench_methods(case_name, case, clients, pool, lean, fresh, quick, wds) -> list[dict]:
     methods = {
-        "pool": lambda i: pool.run(case["argv"], files=case["files"]).stdout,
-        "fresh": lambda i: fresh[i].run(case),
+        "pool": lambda i: pool.run(case["argv"], files=case["files"], workdir=wds[i]).stdout,
+        "fresh": lambda i: fresh[i].run(case, wds[i]),
     }
     if (case_name, "pool_lean") in PER_ROUND:
-        methods["pool_lean"] = lambda i: lean.run(case["argv"], files=case["files"]).stdout
+        methods["pool_lean"] = lambda i: lean.run(case["argv"], files=case["files"], workdir=wds[i]).stdout
     if case_name != "true":
-        methods["pool_inprocess"] = lambda i: pool.run_python(case["code"], files=case["files"], inprocess=True).stdout
+        methods["pool_inprocess"] = lambda i: pool.run_python(case["code"], files=case["files"], workdir=wds[i],
+                                                              inprocess=True).stdout
     if shutil.which("unshare"):
-        methods["unshare_cli"] = lambda i: _unshare_cli_run(case)
+        methods["unshare_cli"] = lambda i: _unshare_cli_run(case, wds[i])
     stats = {m: {"elapsed": 0.0, "lat": []} for m in methods}
     for m, fn in methods.items():  # warm-up (page cache, worker first-run effects)
         _drive(fn, clients, 2, case["check"])
@@ -234,7 +265,8 @@ def plot(rows, path):
         ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
         ax.yaxis.set_minor_formatter(NullFormatter())
         ax.grid(True, which="both", alpha=0.3)
-        ax.set_title({"true": "/bin/true", "python": 'python -c "print(1)"', "pytest": "pytest, 2 tests"}.get(case, case))
+        ax.set_title({"true": "/bin/true", "python": 'python -c "print(1)"', "pytest": "pytest, 2 tests",
+                      "workdir": "sh, 20-file workdir"}.get(case, case))
     axes[0].set_ylabel("executions / s")
     legend = {}  # a method missing from one program (no in-process /bin/true) is still named
     for ax in axes:

@@ -41,13 +41,13 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import os
-import shutil
 import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from rlcode import tokenizer as tk
 from rlcode.envs import repo_tasks, tools
+from rlcode.sandbox import fstree
 
 SYSTEM_PROMPT = """\
 You are a software engineer working in a small Python repository. Use the tools to inspect and \
@@ -436,9 +436,9 @@ def run_episode(task: repo_tasks.RepoTask, policy_fn: PolicyFn, executor: tools.
     max_parallel_calls: threads executing the calls of one turn.
     command_concurrency: most executor commands of the episode running at once (None: no
       limit). "auto": 1 when the executor reports ``distinct_uid_per_worker`` in its
-      ``guarantees()`` (`rlcode.sandbox.SandboxPool` in root mode hands the working copy to the
-      uid of the worker slot for the duration of each execution, so two executions on one copy
-      in different slots would lock each other out), else no limit.
+      ``guarantees()`` (`rlcode.sandbox.SandboxPool` runs the executions of one working copy one
+      after another, each on a private copy brought back at its end, so more at once would only
+      hold pool workers waiting), else no limit.
     document_tools: tools whose full observations are recorded as document spans
       (`Segment.documents`). pass_documents: call ``policy_fn(ids, documents)`` with the
       segment's spans (a sampler that reuses document KV under squid attention) instead of
@@ -469,7 +469,7 @@ def run_episode(task: repo_tasks.RepoTask, policy_fn: PolicyFn, executor: tools.
             end_reason = _loop(ep)
     except BaseException:
         if created:  # no trajectory points at the copy: do not leave it behind
-            shutil.rmtree(workdir, ignore_errors=True)
+            fstree.remove(workdir)  # never raises, whatever the episode left in the copy
         raise
     counts = {s: sum(c.status == s for c in ep.calls) for s in ("malformed", "error", "infra")}
     actions = [t for t in ep.turns if t.kind == "action"]

@@ -429,13 +429,22 @@ def files():
     if os.path.isfile(top) and not os.path.islink(top):
         yield top
         return
-    for d, dirs, names in os.walk(top):
-        dirs[:] = sorted(x for x in dirs if not x.startswith(".") and x != "__pycache__"
-                         and not os.path.islink(os.path.join(d, x)))
-        for n in sorted(names):
-            p = os.path.join(d, n)
-            if not os.path.islink(p) and os.path.isfile(p):
-                yield p
+    stack = [top]  # an explicit stack: os.walk recurses, and a copy may be thousands of levels deep
+    while stack:
+        try:
+            entries = sorted(os.scandir(stack.pop()), key=lambda e: e.name)
+        except OSError:
+            continue
+        subdirs = []
+        for e in entries:
+            if e.is_symlink():
+                continue
+            if e.is_dir():
+                if not e.name.startswith(".") and e.name != "__pycache__":
+                    subdirs.append(e.path)
+            elif e.is_file():
+                yield e.path
+        stack.extend(reversed(subdirs))
 found = 0
 for p in files():
     try:
@@ -516,10 +525,20 @@ def run_tests(ws: Workspace, paths: list[str] | None = None) -> str:
 _LINT_SCRIPT = r'''
 import os, sys
 paths = sys.argv[1:]
-if not paths:
-    for d, dirs, names in os.walk("."):
-        dirs[:] = sorted(x for x in dirs if not x.startswith(".") and x != "__pycache__")
-        paths += [os.path.normpath(os.path.join(d, n)) for n in sorted(names) if n.endswith(".py")]
+stack = [] if paths else ["."]  # an explicit stack: os.walk recurses
+while stack:
+    try:
+        entries = sorted(os.scandir(stack.pop()), key=lambda e: e.name)
+    except OSError:
+        continue
+    subdirs = []
+    for e in entries:
+        if e.is_dir():
+            if not e.name.startswith(".") and e.name != "__pycache__" and not e.is_symlink():
+                subdirs.append(e.path)
+        elif e.name.endswith(".py"):
+            paths.append(os.path.normpath(e.path))
+    stack.extend(reversed(subdirs))
 try:
     from pyflakes import api, reporter
 except ImportError:

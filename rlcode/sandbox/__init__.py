@@ -1,4 +1,4 @@
-"""Isolated execution of untrusted, model-written programs (REFERENCE.md §11).
+"""Isolated execution of untrusted, model-written programs (docs/threat_model.md).
 
     pool = SandboxPool(num_workers, limits=Limits(...))   # create before importing jax
     pool.run(argv, files=..., stdin=..., timeout=..., workdir=...)   -> ExecResult
@@ -10,9 +10,12 @@
 `RaySandboxPool` (`ray_pool.py`, the `distributed` extra) offers the same API over Ray actors,
 one local pool per node; it is imported (with ray) only when first used.
 
-`pool.py` has the API, `isolation.py` the per-execution isolation, `worker.py` the fork server,
-`cgroups.py` the optional cgroup layer, `spec.py` the value types. This package imports only the
-standard library (and never jax), so importing it early is cheap.
+`pool.py` has the API, `isolation.py` the per-execution isolation, `seccomp.py` the program's
+system-call filter, `probe.py` the start-up measurement behind `guarantees()`, `worker.py` the
+fork server, `cgroups.py` the optional cgroup layer, `spec.py` the value types, `fstree.py` the
+bounded, descriptor-relative tree operations (walk, read, copy, sync back, remove) that every
+trusted caller uses on a working copy a program wrote. This package imports only the standard
+library (and never jax), so importing it early is cheap.
 """
 
 from rlcode.sandbox.spec import STATUSES, ExecResult, Limits

@@ -59,7 +59,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rlcode.sandbox import isolation
-from rlcode.sandbox.pool import DEFAULT_UID_BASE, WORKER_GRACE_SECONDS, SandboxFuture, SandboxPool
+from rlcode.sandbox.pool import WORKER_GRACE_SECONDS, SandboxFuture, SandboxPool
 from rlcode.sandbox.spec import ExecResult, Limits
 
 log = logging.getLogger("rlcode.sandbox")
@@ -190,9 +190,11 @@ class RaySandboxPool:
       limits: default `Limits` of every execution (overridable per call).
       max_concurrency: executions in flight cluster-wide (driver-side bound); None = the sum of
         the actors' workers.
-      uid_base: first uid of the actors' workers (see `SandboxPool`): every actor this process
-        starts, replacements included, takes the next `workers_per_actor` uids from there, so the
-        pools of one driver never share a uid on a node; give concurrent drivers disjoint ranges.
+      uid_base: None (the default): each actor's pool allocates a uid range no other pool on its
+        node holds (see `SandboxPool`). An int: first uid of the actors' workers; every actor this
+        process starts, replacements included, takes the next `workers_per_actor` uids from
+        there, so the pools of one driver never share a uid on a node (a pool whose range another
+        pool of the node holds reports it in `guarantees()["distinct_uid_per_pool"]`).
       actor_options: extra `.options()` of the actors (num_cpus, resources, runtime_env, ...).
       actor_grace: seconds past timeout + worker grace before a silent actor is given up.
       start_timeout: seconds an actor may take to start its pool.
@@ -204,7 +206,7 @@ class RaySandboxPool:
 
     def __init__(self, num_actors: int | None = None, workers_per_actor: int | None = None,
                  limits: Limits = Limits(), *, max_concurrency: int | None = None,
-                 uid_base: int = DEFAULT_UID_BASE, actor_options: dict | None = None,
+                 uid_base: int | None = None, actor_options: dict | None = None,
                  actor_grace: float = ACTOR_GRACE_SECONDS,
                  start_timeout: float = ACTOR_START_TIMEOUT_SECONDS, **pool_kwargs):
         if not ray.is_initialized():
@@ -268,7 +270,8 @@ class RaySandboxPool:
             opts.setdefault("scheduling_strategy", NodeAffinitySchedulingStrategy(a.node_id, soft=False))
         else:
             opts.setdefault("scheduling_strategy", "SPREAD")
-        kwargs = dict(self.pool_kwargs, uid_base=self.uid_base + _uid_block(self.workers_per_actor))
+        kwargs = dict(self.pool_kwargs, uid_base=None if self.uid_base is None
+                      else self.uid_base + _uid_block(self.workers_per_actor))
         try:
             a.handle = _remote_actor_class().options(**opts).remote(
                 self.workers_per_actor, self.limits, kwargs)

@@ -1,4 +1,4 @@
-"""Value types of the sandbox: resource limits of one execution and its result (REFERENCE.md §11).
+"""Value types of the sandbox: resource limits of one execution and its result (docs/threat_model.md).
 
 Kept free of any process machinery so that the pool, the fork-server worker and the one-shot
 launcher share them, and so that importing them costs nothing.
@@ -39,10 +39,19 @@ class Limits:
       and reported with status "output_limit" (the first `output_bytes` bytes are kept).
     tmp_bytes: size of the execution's private tmpfs (/tmp, which also holds the private working
       copy when `files` are given without a `workdir`) and of /dev/shm.
-    hidden_paths: host paths replaced by an empty read-only directory (or an empty file) inside the
-      sandbox, e.g. the held-out tests or the repository's data. /root and /home are always hidden.
-    exposed_paths: host paths under a hidden path or /tmp that stay visible, read-only (the Python
-      installation the pool runs is always exposed).
+    workdir_bytes, workdir_inodes: size and entry count of the private working copy of a
+      `workdir` (a tmpfs the host workdir is copied into and whose changes are brought back when
+      the execution ends): writes past them fail with ENOSPC, and the result's `info` says which
+      was reached. A workdir larger than either does not run (status "infra"). `workdir_inodes`
+      also bounds the entries of /tmp and /dev/shm. Defaults: 256 MiB and 20000 entries, well
+      above a repository's source and a test run's caches, far below what fills a disk.
+    hidden_paths: host paths subtracted from what is visible (replaced by an empty read-only
+      directory or an empty file where they lie inside a visible path), e.g. the held-out tests.
+      /root, /home, the pool's repository checkout and this project's packages are always hidden.
+    exposed_paths: host paths added, read-only, to what is visible (which is otherwise only the
+      system's program and library directories, the Python installation the pool runs and a
+      minimal /etc; see `isolation.py`); an exposed path deeper than a hidden one stays visible.
+      Not "/".
     """
 
     cpu_seconds: float = 10.0
@@ -54,12 +63,15 @@ class Limits:
     processes: int = 64
     output_bytes: int = 1 * MiB
     tmp_bytes: int = 256 * MiB
+    workdir_bytes: int = 256 * MiB
+    workdir_inodes: int = 20_000
     hidden_paths: tuple[str, ...] = ()
     exposed_paths: tuple[str, ...] = ()
 
     def __post_init__(self):
         for name in ("cpu_seconds", "wall_seconds", "address_space_bytes", "file_size_bytes",
-                     "open_files", "processes", "output_bytes", "tmp_bytes"):
+                     "open_files", "processes", "output_bytes", "tmp_bytes", "workdir_bytes",
+                     "workdir_inodes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"Limits.{name} must be positive, got {getattr(self, name)!r}")
         for name in ("hidden_paths", "exposed_paths"):
@@ -67,6 +79,8 @@ class Limits:
             if any(not p.startswith("/") for p in paths):
                 raise ValueError(f"Limits.{name} must be absolute paths, got {paths!r}")
             object.__setattr__(self, name, paths)
+        if any(p.rstrip("/") == "" for p in self.exposed_paths):
+            raise ValueError("Limits.exposed_paths cannot expose the whole filesystem ('/')")
 
     @property
     def effective_memory_bytes(self) -> int:
@@ -97,7 +111,8 @@ class ExecResult:
     wall_time: seconds from the start of the sandbox to the end of its last process.
     cpu_time: user + system CPU seconds of all processes of the execution (from the execution's
       cgroup where available, else from the rusage of reaped processes; None when unknown).
-    info: short free-form note from the sandbox (why infra, which limit, ...); empty when ok.
+    info: short free-form note from the sandbox (why infra, which limit, ...); empty when ok unless
+      the working copy reached `Limits.workdir_bytes` or `workdir_inodes` (said even then).
     """
 
     stdout: bytes = b""

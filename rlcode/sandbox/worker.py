@@ -4,16 +4,29 @@ Started by the pool as a fresh interpreter (`python -s -m rlcode.sandbox.worker`
 environment holds only PATH, LANG, the socket fd and the pool's pid, so it has no secrets and no
 model state; it imports only the standard library, this package's light modules and, optionally,
 modules to pre-warm (pytest, warmed by one tiny session) for the in-place Python mode. It joins
-its slot's cgroups once. For every request it forks the execution's init (see `isolation.py`),
-feeds stdin, reads stdout/stderr through capped buffers, enforces the wall-clock deadline by
-killing the execution's PID namespace, and replies with a result dict. Once the init reports
-(after it has killed and reaped every other process of the execution) the reply goes out first
-and the init's own exit is reaped after it.
+its slot's cgroups once, then forks the zygote (see `isolation.py`): a copy of itself taken before
+any request arrived, which forks every execution's init. The worker itself forks no execution:
+its heap holds every earlier request and result (freed, not zeroed), and a process forked from it
+could read them. A zygote that dies is never replaced from this heap: the worker answers "infra"
+and exits, and the pool starts a fresh one.
+
+For every request the worker hands the zygote the execution's pipes (SCM_RIGHTS) and receives a
+pidfd of the init; it writes the request into the init's request pipe, feeds stdin, reads
+stdout/stderr through capped buffers, and stops the execution on its wall-clock deadline, an
+output flood or a cancel by asking the init through a pipe (the init kills every process of the
+execution, brings the working copy back and reports); it SIGKILLs the init through the pidfd only
+when that takes longer than `STOP_GRACE_SECONDS`. Once the init reports, the reply goes out first
+and the zygote's word that it reaped the init is awaited after it. It also keeps, per set of view
+rules, a template mount namespace holding the unchanging part of the filesystem view, which each
+init copies instead of building it (`Worker._view`), and the rules below /tmp, worked out once.
 
 At start it decides which isolation mechanisms work on this machine (`Plan`) by trying each one
 in a throwaway child, then checks the whole plan end to end, dropping mechanisms one at a time
-until a trivial execution succeeds (each drop noted); the pool turns that into
-`SandboxPool.guarantees()` and warnings.
+until a trivial execution succeeds (each drop noted); the first worker of a pool then runs the
+start-up probe (`probe.py`), which measures from inside executions what the plan promises; the
+pool turns both into `SandboxPool.guarantees()` and warnings. Before every execution the worker
+checks its shared network namespace for sockets an earlier execution kept alive and replaces the
+namespace if it finds one (`Worker._make_shared_namespaces`).
 
 `python -m rlcode.sandbox.worker --oneshot` runs a single request read from stdin with the same
 code (used by the benchmark as the fresh-process-per-execution baseline).
@@ -21,12 +34,16 @@ code (used by the benchmark as the fresh-process-per-execution baseline).
 
 from __future__ import annotations
 
+import errno
 import gc
+import importlib.util
 import os
+import platform
 import resource
 import select
 import signal
 import socket
+import struct
 import sys
 import tempfile
 import time
@@ -35,61 +52,37 @@ import traceback
 from rlcode.sandbox import _linux as L
 from rlcode.sandbox import _wire
 from rlcode.sandbox import cgroups as cg_lib
+from rlcode.sandbox import fstree
 from rlcode.sandbox import isolation
+from rlcode.sandbox import probe as probe_lib
+from rlcode.sandbox import seccomp
 
-DRAIN_SECONDS = 2.0  # after a kill (or the init's exit), how long to wait for pipes to close
+DRAIN_SECONDS = 2.0  # after the init reported (or died), how long to wait for pipes to close
+# How long the init may take to stop an execution (kill, reap, bring the working copy back,
+# report) before it is SIGKILLed; within the pool's grace for a silent worker.
+STOP_GRACE_SECONDS = 10.0
+SPAWN_SECONDS = 10.0  # how long the zygote may take to fork an init
+MAX_TEMPLATES = 8  # template mount namespaces kept per worker (one per set of view rules)
 MEMORY_MARKERS = (b"MemoryError", b"std::bad_alloc", b"Cannot allocate memory", b"out of memory",
                   b"failed to allocate")
 SHAREABLE_NS = L.CLONE_NEWNET | L.CLONE_NEWUTS
+# /proc/net tables listing the sockets of a network namespace (those of its families a program
+# may open, and more): read when its socket count is not zero.
+SOCKET_TABLES = ("unix", "tcp", "tcp6", "udp", "udp6", "udplite", "udplite6", "raw", "raw6",
+                 "icmp", "icmp6", "packet", "netlink")
 NS_NAMES = {L.CLONE_NEWNS: "mount", L.CLONE_NEWNET: "net", L.CLONE_NEWIPC: "ipc",
             L.CLONE_NEWUTS: "uts", L.CLONE_NEWCGROUP: "cgroup"}
+# Zygote protocol (one SOCK_SEQPACKET message each). Worker -> zygote: b"S" + flags byte, with the
+# init's descriptors attached. Zygote -> worker: b"P" + pid, with a pidfd of the init attached,
+# or b"F" + errno when it could not fork; later b"D" + (pid, wait status, CPU seconds).
+_PID = struct.Struct("!i")
+_DONE = struct.Struct("!iid")
+_FLAG_PIDNS, _FLAG_SETNS = 1, 2
 
 
-def _children_of(pid: int) -> list[int]:
-    out = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                data = f.read()
-        except OSError:
-            continue
-        fields = data[data.rfind(b")") + 2:].split()
-        if len(fields) > 1 and int(fields[1]) == pid:
-            out.append(int(name))
-    return out
+class ZygoteLost(Exception):
+    """The zygote died or broke protocol: this worker cannot run executions any more."""
 
-
-def kill_all_children(reaped: dict | None = None) -> None:
-    """SIGKILL and reap every child of this process, repeatedly (we are a child subreaper, so
-    whatever a killed child leaves behind becomes our child in turn). Wait statuses and rusage of
-    the reaped go into `reaped` (pid -> (status, rusage))."""
-    me = os.getpid()
-    reaped = {} if reaped is None else reaped
-    for _ in range(1000):
-        kids = _children_of(me)
-        if not kids:
-            break
-        for k in kids:
-            try:
-                os.kill(k, signal.SIGKILL)
-            except OSError:
-                pass
-        for k in kids:
-            try:
-                _, status, usage = os.wait4(k, 0)
-                reaped[k] = (status, usage)
-            except ChildProcessError:
-                pass
-    try:
-        while True:
-            pid, status, usage = os.wait4(-1, os.WNOHANG)
-            if pid <= 0:
-                break
-            reaped[pid] = (status, usage)
-    except ChildProcessError:
-        pass
 
 
 def _trial(fn, timeout: float = 10.0) -> str | None:
@@ -174,14 +167,89 @@ def _own_cpu() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
-def _chown_tree(root: str, uid: int, gid: int) -> None:
-    os.lchown(root, uid, gid)
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
+def _fork_init(fds: list[int], flags: int, self_pidns: int) -> int:
+    """Fork the init of one execution (in a new PID namespace if asked); returns its pid."""
+    pidns, dance = bool(flags & _FLAG_PIDNS), bool(flags & _FLAG_SETNS)
+    if dance:
+        L.unshare(L.CLONE_NEWPID)  # only our next child (the init) enters the new one
+    try:
+        pid = os.fork()
+    except BaseException:
+        if dance:
+            L.setns(self_pidns, L.CLONE_NEWPID)
+        raise
+    if pid == 0:
+        try:
+            if pidns and not dance:
+                # We may not re-enter our own PID namespace (it belongs to a user namespace we
+                # have no capabilities in), so an intermediate process unshares and forks the
+                # init; the init dies with it (PDEATHSIG).
+                L.prctl(L.PR_SET_PDEATHSIG, signal.SIGKILL)
+                L.unshare(L.CLONE_NEWPID)
+                if os.fork() != 0:
+                    isolation.close_fds_except(set())
+                    try:
+                        os.wait()
+                    finally:
+                        os._exit(0)
+            isolation.init_main(fds)
+        finally:
+            os._exit(isolation.EXIT_SETUP_FAILED)
+    if dance:
+        L.setns(self_pidns, L.CLONE_NEWPID)  # back to our own for the next unshare
+    return pid
+
+
+def _zygote_main(sock: socket.socket, self_pidns: int, parent_pid: int) -> None:
+    """Body of the zygote (never returns): one init per command, reported and reaped."""
+    try:
+        L.prctl(L.PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent_pid:
+            os._exit(0)
+        # Orphans of an init that was SIGKILLed without a PID namespace come to us, to be killed.
+        L.prctl(L.PR_SET_CHILD_SUBREAPER, 1)
+        isolation.close_fds_except({sock.fileno(), self_pidns})
+        # Default dispositions and an empty mask once, here: every init and program inherits them
+        # (and so skips its own reset), and the zygote installs no handler.
+        isolation.reset_signals(force=True)
+        while True:
+            msg, fds, _, _ = socket.recv_fds(sock, 16, 64)
+            if not msg:
+                os._exit(0)
             try:
-                os.lchown(os.path.join(dirpath, name), uid, gid)
-            except FileNotFoundError:
-                pass
+                pid = _fork_init(fds, msg[1], self_pidns)
+                pidfd = os.pidfd_open(pid)
+            except OSError as e:
+                sock.send(b"F" + _PID.pack(e.errno or 0))
+                continue
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            socket.send_fds(sock, [b"P" + _PID.pack(pid)], [pidfd])
+            os.close(pidfd)
+            _, status, usage = os.wait4(pid, 0)
+            if not msg[1] & _FLAG_PIDNS:
+                isolation.kill_all_children()
+            sock.send(b"D" + _DONE.pack(pid, status, usage.ru_utime + usage.ru_stime))
+    except BaseException:  # noqa: BLE001 - the worker sees the socket close
+        os._exit(1)
+
+
+def _project_package_dirs() -> list[str]:
+    """Where this project's packages are installed, wherever that is (hidden from executions)."""
+    out = set()
+    for name in isolation.PROJECT_PACKAGES:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            continue
+        if spec is None:
+            continue
+        if spec.submodule_search_locations:
+            out.update(p for p in spec.submodule_search_locations if os.path.isabs(p))
+        elif spec.origin and os.path.isabs(spec.origin):
+            out.add(spec.origin)
+    return sorted(out)
 
 
 class Worker:
@@ -190,10 +258,13 @@ class Worker:
         self.slot = cfg.get("slot", 0)
         self.python_bin_dir = os.path.dirname(cfg.get("python") or sys.executable)
         self.sys_path = [p for p in sys.path[1:] if p]
-        self.expose = sorted({p for p in (sys.prefix, sys.base_prefix, sys.exec_prefix,
-                                          sys.base_exec_prefix,
-                                          os.path.dirname(os.path.dirname(os.path.realpath(sys.executable))))
-                              if p and p != "/"})
+        # The Python installation (its prefixes and import path) is visible to every execution,
+        # this project's own packages are not.
+        self.expose = sorted({p for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+                                          os.path.dirname(os.path.dirname(os.path.realpath(sys.executable))),
+                                          *self.sys_path)
+                              if os.path.isabs(p) and os.path.realpath(p) != "/"})
+        self.hide = _project_package_dirs()
         self.tmp_root = cfg.get("tmp_root") or tempfile.gettempdir()
         self.cgroup: cg_lib.SlotCgroup | None = None
         self._cg_limits = None
@@ -205,10 +276,15 @@ class Worker:
                 if h is not None and os.path.isdir(d):
                     dirs.append((h, d))
             self.cgroup = cg_lib.SlotCgroup(dirs)
-        self._me = frozenset({os.getpid()})
+        self._me = frozenset({os.getpid()})  # processes of ours in the slot's cgroups
+        self._zygote: tuple[int, socket.socket] | None = None
+        self._templates: dict[tuple, tuple] = {}  # view rules -> (mount namespace, /tmp rules)
+        self._mount_api: bool | None = False if "template" in cfg.get("disable", ()) else None
+        # A fault for tests of the probe: a zygote forked anew before every execution, from a
+        # heap that holds the earlier requests and results.
+        self._fresh_zygotes = "zygote" in cfg.get("disable", ())
         self.stop_requested = False
-        self._reaped: dict[int, tuple] = {}
-        self._pending: tuple[int, int] | None = None
+        self._pending: tuple[int, int] | None = None  # (pid, pidfd) of an init not yet reaped
         self.preloaded = []
         for mod in cfg.get("preload", ()):
             try:
@@ -221,18 +297,23 @@ class Worker:
         os.chdir("/")
         self.self_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
         self.ns_fds: dict[int, int] = {}
+        self._net_tables: dict[str, int] = {}  # socket tables of the shared network namespace
         self.plan = plan if plan is not None else self._decide_plan(set(cfg.get("disable", ())))
         if plan is None:
             self._make_shared_namespaces(self.plan.ns_flags & SHAREABLE_NS)
-        gc.freeze()  # keep the forked children from dirtying the worker's heap pages in GC passes
-        if not self.plan.pidns:
-            L.prctl(36, 1)  # PR_SET_CHILD_SUBREAPER: leftovers of an execution come back to us
+        gc.freeze()  # keep the forked children from dirtying the heap's pages in GC passes
         if self.cgroup is not None:
-            # The worker lives in its slot's cgroups, so every execution it forks starts there.
+            # The worker lives in its slot's cgroups, so everything it forks starts there.
             # Moving each execution's init into them instead would cost an RCU grace period per
             # execution (cgroup migration takes a global rw-semaphore for writing; ~5-15 ms).
             # Joined last: the memory the worker allocated so far stays charged outside.
             self.cgroup.join()
+        # The probes above ran through a zygote of their own; the one that serves requests is
+        # forked now, in the slot's cgroups, from a heap that has seen no request.
+        self.finish_pending()
+        self._stop_zygote()
+        self._drop_templates()  # made for the plans tried above
+        self._start_zygote()
 
     # ------------------------------------------------------------------------------------------
     # deciding what works here
@@ -240,6 +321,35 @@ class Worker:
     def _decide_plan(self, disable: set[str]) -> isolation.Plan:
         plan = isolation.Plan()
         notes = plan.notes
+        # Leave the session keyring inherited from the pool's process (the trainer's): every
+        # execution is forked from here and would possess its keys (the filter refuses the key
+        # system calls; this keeps even their names out of the executions' /proc/keys).
+        try:
+            L.join_session_keyring()
+        except OSError as e:
+            notes.append(f"kept the inherited session keyring ({e})")
+
+        def seccomp_trial():
+            L.prctl(L.PR_SET_NO_NEW_PRIVS, 1)
+            seccomp.install()
+            try:
+                L.unshare(L.CLONE_NEWUTS)  # refused by the filter (with capabilities, only by it)
+            except OSError as e:
+                if e.errno != errno.EPERM:
+                    raise
+            else:
+                raise RuntimeError("the filter let unshare through")
+            _grandchild_trial()
+
+        if "seccomp" in disable:
+            err = "disabled"
+        elif not seccomp.supported():
+            err = f"no system-call table for {platform.machine()}"
+        else:
+            err = _trial(seccomp_trial)
+        plan.seccomp = filter_ok = err is None
+        if err:
+            notes.append(f"no seccomp filter ({err})")
         if os.geteuid() == 0 and "root" not in disable:
             plan.mode = "root"
         elif "userns" not in disable:
@@ -291,6 +401,9 @@ class Worker:
         if plan.ns_flags & L.CLONE_NEWNS and "fs" not in disable:
             plan.mount_setattr = "mount_setattr" not in disable and _trial(setattr_trial) is None
             plan.fs = True
+        elif plan.ns_flags & L.CLONE_NEWNS:
+            notes.append("no filesystem view of its own (disabled): executions see the host's "
+                         "files and work on a host directory")
 
         def program_userns_trial():
             if plan.drop_uid:
@@ -318,8 +431,15 @@ class Worker:
             if err:
                 notes.append(f"nested user namespaces cannot be forbidden ({err})")
 
-        # End to end, degrading one mechanism at a time until a trivial execution succeeds.
-        for drop in (None, "fs", "program_userns", "ns_flags", "pidns"):
+        # End to end, degrading one mechanism at a time until a trivial execution succeeds (the
+        # filter is tried away alone first, then kept while the others go one by one).
+        for drop in (None, "seccomp", "fs", "program_userns", "ns_flags", "pidns"):
+            if drop == "seccomp":
+                if not filter_ok:
+                    continue
+                plan.seccomp = False
+            else:
+                plan.seccomp = filter_ok
             if drop == "fs":
                 plan.fs = False
             elif drop == "program_userns":
@@ -335,6 +455,8 @@ class Worker:
             res = self.execute({"inprocess_code": "pass", "timeout": 20.0,
                                 "limits": self.cfg["limits"]}, probe=True)
             if res["status"] == "ok":
+                if drop == "seccomp":
+                    notes.append("the seccomp filter broke the end-to-end check: programs run without it")
                 res = self.execute({"argv": [self.cfg.get("python") or sys.executable, "-c", "pass"],
                                     "timeout": 30.0, "limits": self.cfg["limits"]}, probe=True)
                 if res["status"] != "ok":
@@ -351,15 +473,31 @@ class Worker:
 
         Creating and destroying a network namespace per execution is the most expensive part of
         the isolation (and its teardown runs asynchronously, competing for CPU). Sharing one per
-        worker keeps the guarantee: executions of a worker never overlap in time, nothing in the
-        namespace outlives the processes of an execution (it has only a loopback device, down,
-        that nobody in it may configure: no execution holds capabilities over it), so an
-        execution cannot reach anything, nor leave anything behind for the next one. IPC, mount,
-        PID, cgroup and user namespaces stay fresh per execution (SysV IPC objects, for one,
-        would persist).
+        worker keeps the guarantee: executions of a worker never overlap in time, the namespace
+        has only a loopback device, down, that nobody in it may configure (no execution holds
+        capabilities over it), so an execution cannot reach anything. One thing can outlive an
+        execution's processes there: a socket kept alive by an SCM_RIGHTS message in flight (a
+        unix socket holding its own descriptor in its receive queue, and whatever else that
+        message carries), with its abstract name or port. So before every execution the worker
+        checks the namespace (`_clear_network`) and replaces it when a socket is left. IPC,
+        mount, PID, cgroup and user namespaces stay fresh per execution (SysV IPC objects, for
+        one, would persist).
         """
         if not flags:
             return
+        try:
+            fds, tables = self._fresh_namespaces(flags)
+        except OSError as e:
+            self.plan.notes.append(f"no shared network/UTS namespace ({e}): a fresh one per execution")
+            return
+        self.ns_fds.update(fds)
+        self._net_tables = tables
+        self.plan.shared_ns = sum(self.ns_fds)
+
+    def _fresh_namespaces(self, flags: int) -> tuple[dict[int, int], dict[str, int]]:
+        """New namespaces of `flags` (NEWNET and/or NEWUTS), made by a child that unshares them:
+        descriptors of each, and of the new network namespace's socket tables (/proc/net files
+        opened through the child: each stays bound to that namespace, re-read with pread)."""
         go_r, go_w = os.pipe()
         ok_r, ok_w = os.pipe()
         pid = os.fork()
@@ -377,15 +515,68 @@ class Worker:
         os.close(ok_w)
         ok = os.read(ok_r, 1) == b"1"
         os.close(ok_r)
+        fds: dict[int, int] = {}
+        tables: dict[str, int] = {}
         try:
-            if ok:
-                for flag, name in ((L.CLONE_NEWNET, "net"), (L.CLONE_NEWUTS, "uts")):
-                    if flags & flag:
-                        self.ns_fds[flag] = os.open(f"/proc/{pid}/ns/{name}", os.O_RDONLY | os.O_CLOEXEC)
-                self.plan.shared_ns = sum(self.ns_fds)
+            if not ok:
+                raise OSError(errno.EPERM, "cannot create the namespaces")
+            for flag, name in ((L.CLONE_NEWNET, "net"), (L.CLONE_NEWUTS, "uts")):
+                if flags & flag:
+                    fds[flag] = os.open(f"/proc/{pid}/ns/{name}", os.O_RDONLY | os.O_CLOEXEC)
+            if flags & L.CLONE_NEWNET:
+                for name in ("sockstat", *SOCKET_TABLES):
+                    try:
+                        tables[name] = os.open(f"/proc/{pid}/net/{name}", os.O_RDONLY | os.O_CLOEXEC)
+                    except FileNotFoundError:
+                        pass
+        except BaseException:
+            for fd in (*fds.values(), *tables.values()):
+                os.close(fd)
+            raise
         finally:
             os.close(go_w)
             os.waitpid(pid, 0)
+        return fds, tables
+
+    def _sockets_left(self) -> list[str]:
+        """Sockets alive in the shared network namespace, as "table: line" (empty when none).
+        The socket count of /proc/net/sockstat is read first (~1 us); only when it is not zero
+        are the tables read, since a closed netlink socket is counted until an RCU grace period
+        has passed, though nothing can reach it any more."""
+        fd = self._net_tables.get("sockstat")
+        if fd is not None and os.pread(fd, 4096, 0).split(b"\n", 1)[0].split()[-1:] == [b"0"]:
+            return []
+        left = []
+        for name in SOCKET_TABLES:
+            fd = self._net_tables.get(name)
+            if fd is None:
+                continue
+            data = b""
+            while True:
+                chunk = os.pread(fd, 1 << 16, len(data))
+                if not chunk:
+                    break
+                data += chunk
+            for line in data.decode(errors="replace").splitlines()[1:]:
+                # Netlink sockets of the kernel itself (port id 0) are part of every namespace.
+                if name == "netlink" and line.split()[2:3] == ["0"]:
+                    continue
+                left.append(f"{name}: {line.strip()}")
+        return left
+
+    def _clear_network(self) -> None:
+        """Replace the shared network namespace if the last execution left a socket in it (the
+        socket and its namespace live on, unreachable, until the kernel collects them)."""
+        if L.CLONE_NEWNET not in self.ns_fds or not self._sockets_left():
+            return
+        try:
+            fds, tables = self._fresh_namespaces(L.CLONE_NEWNET)
+        except OSError:
+            fds, tables = {}, {}  # executions then make a fresh one each (see `init_main`)
+        for fd in (self.ns_fds.pop(L.CLONE_NEWNET), *self._net_tables.values()):
+            os.close(fd)
+        self.ns_fds.update(fds)
+        self._net_tables = tables
 
     def describe(self) -> dict:
         return {"pid": os.getpid(), "plan": self.plan.to_dict(), "preloaded": self.preloaded,
@@ -393,10 +584,206 @@ class Worker:
                 "python": sys.version.split()[0]}
 
     # ------------------------------------------------------------------------------------------
+    # the zygote
+
+    def _start_zygote(self) -> None:
+        isolation.note_project_modules()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        me = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                ours.close()
+                _zygote_main(theirs, self.self_pidns, me)
+            finally:
+                os._exit(1)
+        theirs.close()
+        self._zygote = (pid, ours)
+        self._me = frozenset({me, pid})
+
+    def _stop_zygote(self) -> None:
+        if self._zygote is None:
+            return
+        pid, sock = self._zygote
+        self._zygote = None
+        self._me = frozenset({os.getpid()})
+        sock.close()
+        if self._pending is not None:  # its init dies with the zygote (PDEATHSIG)
+            os.close(self._pending[1])
+            self._pending = None
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+
+    def _lose_zygote(self) -> None:
+        """The zygote is gone or confused: end it, answer, then exit (see the module docstring)."""
+        self._stop_zygote()
+        self.stop_requested = True
+
+    def _zygote_recv(self, timeout: float | None) -> tuple[bytes, list[int]] | None:
+        """One message from the zygote (None on timeout); ZygoteLost if it is gone."""
+        if self._zygote is None:
+            raise ZygoteLost("no zygote")
+        sock = self._zygote[1]
+        sock.settimeout(timeout)
+        try:
+            msg, fds, _, _ = socket.recv_fds(sock, 64, 1)
+        except TimeoutError:
+            return None
+        except OSError as e:
+            raise ZygoteLost(f"zygote connection failed: {e}") from e
+        finally:
+            if self._zygote is not None:
+                sock.settimeout(None)
+        if not msg:
+            raise ZygoteLost("the zygote exited")
+        return msg, fds
+
+    def _spawn(self, fds: list[int], init: list) -> None:
+        """Have the zygote fork an init with `fds` (`isolation.INIT_FDS`, then namespaces). The
+        answer is not awaited (the worker goes on feeding the execution meanwhile): `_spawned`
+        reads it into `init` ([pid, pidfd]) when it is needed or arrives."""
+        if self._zygote is None:
+            self._start_zygote()
+        flags = (_FLAG_PIDNS if self.plan.pidns else 0) | (
+            _FLAG_SETNS if self.plan.pidns and self.plan.pidns_setns else 0)
+        try:
+            socket.send_fds(self._zygote[1], [b"S" + bytes([flags])], fds)
+        except OSError as e:
+            raise ZygoteLost(f"cannot reach the zygote: {e}") from e
+        init.append(None)  # asked, not answered
+
+    def _spawned(self, init: list, owned: set) -> None:
+        """Read the zygote's answer to `_spawn` into `init`, if not read yet."""
+        if init != [None]:
+            return
+        got = self._zygote_recv(SPAWN_SECONDS)
+        if got is None:
+            raise ZygoteLost("the zygote did not answer")
+        msg, rfds = got
+        if msg[:1] == b"F":
+            init.clear()
+            raise OSError(_PID.unpack(msg[1:5])[0], "the zygote could not fork the init")
+        if msg[:1] != b"P" or len(rfds) != 1:
+            for fd in rfds:
+                os.close(fd)
+            raise ZygoteLost(f"unexpected message from the zygote: {msg[:1]!r}")
+        init[:] = [_PID.unpack(msg[1:5])[0], rfds[0]]
+        owned.add(rfds[0])
+
+    def _await_init(self, pid: int, timeout: float) -> tuple[int, float] | None:
+        """(wait status, CPU seconds) of the init `pid` once the zygote has reaped it, or None
+        if that did not happen within `timeout`."""
+        end = time.monotonic() + timeout
+        while True:
+            got = self._zygote_recv(max(0.0, end - time.monotonic()))
+            if got is None:
+                return None
+            msg, fds = got
+            for fd in fds:
+                os.close(fd)
+            if msg[:1] != b"D":
+                raise ZygoteLost(f"unexpected message from the zygote: {msg[:1]!r}")
+            done_pid, status, cpu = _DONE.unpack(msg[1:])
+            if done_pid == pid:
+                return status, cpu
+
+    def _hard_kill(self, pidfd: int) -> None:
+        """SIGKILL the init (pid 1 of the execution's PID namespace: it takes everything with it;
+        without one the zygote kills the orphans, and the slot's cgroup is emptied)."""
+        if not self.plan.pidns and self.cgroup is not None and self.cgroup.dirs:
+            self.cgroup.kill_all(timeout=1.0, exclude=self._me)
+        try:
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    # ------------------------------------------------------------------------------------------
+    # template mount namespaces
+
+    def _view(self, req: dict) -> tuple[int | None, list]:
+        """(template, rules below /tmp) of this request's filesystem view, made once per set of
+        rules and kept. The template is a mount namespace holding the part of the view that
+        does not change between executions (`isolation.build_root`): each init enters a copy of
+        it and only adds its own /tmp, /proc and working copy, several times cheaper than
+        building the view. None (the init builds the whole view) without the mount API of
+        Linux 5.2 or if it cannot be made."""
+        if self._mount_api is None:
+            try:
+                os.close(L.new_mount("tmpfs"))
+                os.close(L.open_tree("/"))
+                self._mount_api = True
+            except OSError:
+                self._mount_api = False
+        limits = req["limits"]
+        exposed = [*limits["exposed_paths"], *self.expose]
+        hidden = [*limits["hidden_paths"], *req.get("hide", ()), *self.hide]
+        key = (repr(self.plan.to_dict()), tuple(exposed), tuple(hidden))
+        view = self._templates.get(key)
+        if view is None:
+            fd = self._build_template(exposed, hidden) if self._mount_api else None
+            view = (fd, isolation.tmp_rules(exposed, hidden))
+            if len(self._templates) >= MAX_TEMPLATES:
+                old = self._templates.pop(next(iter(self._templates)))[0]
+                if old is not None:
+                    os.close(old)
+            self._templates[key] = view
+        return view
+
+    def _build_template(self, exposed: list[str], hidden: list[str]) -> int | None:
+        ok_r, ok_w = os.pipe2(os.O_CLOEXEC)
+        go_r, go_w = os.pipe2(os.O_CLOEXEC)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                L.prctl(L.PR_SET_PDEATHSIG, signal.SIGKILL)
+                isolation.close_fds_except({ok_w, go_r})
+                L.unshare(L.CLONE_NEWNS)
+                isolation.build_root(self.plan, exposed=exposed, hidden=hidden)
+                isolation.enter_root()
+                os.write(ok_w, b"1")
+                os.read(go_r, 1)  # until the worker holds the namespace
+                os._exit(0)
+            except BaseException as e:  # noqa: BLE001
+                try:
+                    os.write(ok_w, f"{type(e).__name__}: {e}".encode()[:2000])
+                finally:
+                    os._exit(1)
+        os.close(ok_w)
+        os.close(go_r)
+        fd = None
+        try:
+            ready, _, _ = select.select([ok_r], [], [], SPAWN_SECONDS)
+            msg = os.read(ok_r, 4096) if ready else b"timed out"
+            if msg == b"1":
+                fd = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+            elif not any(n.startswith("no template mount namespace") for n in self.plan.notes):
+                self.plan.notes.append(f"no template mount namespace ({msg.decode(errors='replace')}): "
+                                       "every execution builds its own filesystem view")
+        finally:
+            os.close(ok_r)
+            os.close(go_w)
+            try:
+                if fd is None:
+                    os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+        return fd
+
+    def _drop_templates(self) -> None:
+        for fd, _ in self._templates.values():
+            if fd is not None:
+                os.close(fd)
+        self._templates.clear()
+
+    # ------------------------------------------------------------------------------------------
     # one execution
 
     def _prepare_cgroup(self, limits: dict) -> None:
-        want = (int(limits["processes"]) + 8,  # + this worker, the init and helpers
+        want = (int(limits["processes"]) + 8,  # + this worker, the zygote, the init and helpers
                 int(limits["memory_bytes"] if limits.get("memory_bytes") else limits["address_space_bytes"]))
         if want != self._cg_limits:
             self.cgroup.set_limits(pids=want[0], memory_bytes=want[1])
@@ -405,80 +792,73 @@ class Worker:
     def execute(self, req: dict, control: socket.socket | None = None, probe: bool = False,
                 job_id=None) -> dict:
         self.finish_pending()
+        if self._fresh_zygotes:
+            self._stop_zygote()  # `_spawn` starts the next one
+        self._clear_network()
         plan = self.plan
         limits = req["limits"]
         timeout = float(req["timeout"])
         t0 = time.monotonic()
-        req = dict(req, python_bin_dir=self.python_bin_dir, sys_path=self.sys_path, expose=self.expose)
+        stdin_data = req.get("stdin")
         cleanup_dir = None
-        workdir = req.get("workdir")
-        restore_owner = None
-        fds: list[int] = []
+        owned: set[int] = set()
+        init: list = []  # [pid, pidfd] of the init once the zygote has answered
         try:
-            if workdir is not None:
-                st = os.stat(workdir)
-                if plan.drop_uid and (st.st_uid, st.st_gid) != (plan.uid, plan.gid):
-                    restore_owner = (st.st_uid, st.st_gid)
-                    _chown_tree(workdir, plan.uid, plan.gid)
+            if self.stop_requested and self._zygote is None:
+                raise ZygoteLost("the zygote was lost earlier")
+            ns = list(self.ns_fds.items())
+            template, tmp_rules = self._view(req) if plan.fs else (None, [])
+            if req.get("workdir") is not None and not isolation.under(req["workdir"], "/tmp"):
+                template = None  # its mount point would stay in the template (`finish_view`)
+            if template is not None:
+                ns.append((L.CLONE_NEWNS, template))
+            req = dict(req, stdin=None, plan=plan.to_dict(), python_bin_dir=self.python_bin_dir,
+                       sys_path=self.sys_path, expose=self.expose, hide=[*req.get("hide", ()), *self.hide],
+                       ns_flags=[flag for flag, _ in ns], tmp_rules=tmp_rules)
             if not plan.fs:
-                if workdir is None:
-                    cleanup_dir = tempfile.mkdtemp(prefix="rlcode-sandbox-", dir=self.tmp_root)
-                    if plan.drop_uid:
-                        os.chown(cleanup_dir, plan.uid, plan.gid)
-                req["host_cwd"] = workdir or cleanup_dir
+                # No mount namespace: the private working copy is a host directory of ours.
+                cleanup_dir = tempfile.mkdtemp(prefix="rlcode-sandbox-", dir=self.tmp_root)
+                if plan.drop_uid:
+                    os.chown(cleanup_dir, plan.uid, plan.gid)
+                req["host_cwd"] = cleanup_dir
             use_cg = self.cgroup is not None and self.cgroup.dirs and not probe
             if use_cg:
                 self._prepare_cgroup(limits)
                 oom0, cpu0, own0 = self.cgroup.oom_kills(), self.cgroup.cpu_seconds(), _own_cpu()
-            out_r, out_w = os.pipe2(os.O_CLOEXEC)
-            err_r, err_w = os.pipe2(os.O_CLOEXEC)
-            rep_r, rep_w = os.pipe2(os.O_CLOEXEC)
-            fds += [out_r, out_w, err_r, err_w, rep_r, rep_w]
-            stdin_data = req.get("stdin")
+
+            def pipe() -> tuple[int, int]:
+                r, w = os.pipe2(os.O_CLOEXEC)
+                owned.update((r, w))
+                return r, w
+
+            rq_r, rq_w = pipe()
+            out_r, out_w = pipe()
+            err_r, err_w = pipe()
+            rep_r, rep_w = pipe()
+            stop_r, stop_w = pipe()
             if stdin_data is None:
                 in_r, in_w = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC), None
-                fds.append(in_r)
+                owned.add(in_r)
             else:
-                in_r, in_w = os.pipe2(os.O_CLOEXEC)
-                fds += [in_r, in_w]
-                os.set_blocking(in_w, False)
-            dance = plan.pidns and plan.pidns_setns
-            if dance:
-                L.unshare(L.CLONE_NEWPID)  # only our next child (the init) enters the new one
+                in_r, in_w = pipe()
+            # The request goes into its pipe before the init exists (up to a pipe's capacity), so
+            # that the init finds it there at once; the zygote only passes the descriptor on.
+            request = memoryview(_wire.dumps(req))
+            os.set_blocking(rq_w, False)
             try:
-                pid = os.fork()
-            except BaseException:
-                if dance:
-                    L.setns(self.self_pidns, L.CLONE_NEWPID)
-                raise
-            if pid == 0:
-                try:
-                    if plan.pidns and not dance:
-                        # We may not re-enter our own PID namespace (it belongs to a user
-                        # namespace we have no capabilities in), so an intermediate process
-                        # unshares and forks the init; the init dies with it (PDEATHSIG).
-                        L.prctl(L.PR_SET_PDEATHSIG, signal.SIGKILL)
-                        L.unshare(L.CLONE_NEWPID)
-                        if os.fork() != 0:
-                            isolation.close_fds_except(set())
-                            try:
-                                os.wait()
-                            finally:
-                                os._exit(0)
-                    isolation.init_main(plan, req, stdin_fd=in_r, stdout_fd=out_w, stderr_fd=err_w,
-                                        report_fd=rep_w, ns_fds=self.ns_fds)
-                finally:
-                    os._exit(isolation.EXIT_SETUP_FAILED)
-            if dance:
-                L.setns(self.self_pidns, L.CLONE_NEWPID)  # back to our own for the next unshare
-            for fd in (in_r, out_w, err_w, rep_w):
+                request = request[os.write(rq_w, request[:1 << 16]):]
+            except BlockingIOError:
+                pass
+            outgoing = {rq_w: request}
+            if in_w is not None:
+                outgoing[in_w] = memoryview(bytes(stdin_data))
+            child = [rq_r, in_r, out_w, err_w, rep_w, stop_r]
+            self._spawn(child + [fd for _, fd in ns], init)
+            for fd in child:
                 os.close(fd)
-                fds.remove(fd)
-            res = self._monitor(pid, t0, timeout, limits, out_r, err_r, rep_r, in_w,
-                                bytes(stdin_data) if stdin_data is not None else b"", control, job_id)
-            for fd in (out_r, err_r, rep_r, in_w):
-                if fd is not None and fd in fds:
-                    fds.remove(fd)
+                owned.discard(fd)
+            res = self._monitor(init, t0, timeout, limits, out_r, err_r, rep_r, stop_w, outgoing,
+                                control, job_id, owned)
             if use_cg:
                 cpu1 = self.cgroup.cpu_seconds()
                 if cpu0 is not None and cpu1 is not None:  # minus our own share of the cgroup
@@ -489,125 +869,143 @@ class Worker:
             self._classify(res, limits)
             return res
         except Exception as e:  # noqa: BLE001 - the sandbox failed, not the program
+            if isinstance(e, ZygoteLost):
+                self._lose_zygote()
             return {"status": "infra", "info": f"worker error: {type(e).__name__}: {e}",
                     "stdout": b"", "stderr": traceback.format_exc().encode()[-4000:],
                     "returncode": None, "wall_time": time.monotonic() - t0, "cpu_time": None,
                     "stdout_truncated": False, "stderr_truncated": False}
         finally:
-            for fd in fds:
+            if init and self._zygote is not None:
+                # A failure of ours mid-execution: end the init, reap it before the next one.
+                try:
+                    self._spawned(init, owned)
+                except (OSError, ZygoteLost):
+                    init.clear()
+                if init and init[1] in owned:
+                    self._hard_kill(init[1])
+                    owned.discard(init[1])
+                    self._pending = (init[0], init[1])
+            for fd in owned:
                 try:
                     os.close(fd)
                 except OSError:
                     pass
-            if not plan.pidns:
-                kill_all_children(self._reaped)
-                self._reaped.clear()
-            if restore_owner is not None:
-                try:
-                    _chown_tree(workdir, *restore_owner)
-                except OSError:
-                    pass
             if cleanup_dir is not None:
-                import shutil
-                shutil.rmtree(cleanup_dir, ignore_errors=True)
+                fstree.remove(cleanup_dir)
 
     def _sweep_cgroup(self) -> None:
         if self.cgroup is not None and self.cgroup.dirs and self.cgroup.pids() - self._me:
             self.cgroup.kill_all(exclude=self._me)
 
     def finish_pending(self) -> None:
-        """Reap the init of the last execution if its exit was left for after the reply."""
+        """Wait for the zygote to reap the init of the last execution, if that was left for
+        after the reply; SIGKILL it if it lingers."""
         if self._pending is None:
             return
-        pid, fd = self._pending
+        pid, pidfd = self._pending
         self._pending = None
-        os.close(fd)
-        status, _ = self._reap(pid)
-        if status is None:
-            self._kill(pid)
-            self._reap(pid)
+        try:
+            if self._await_init(pid, DRAIN_SECONDS) is None:
+                self._hard_kill(pidfd)
+                if self._await_init(pid, DRAIN_SECONDS) is None:
+                    raise ZygoteLost("the init of the last execution did not exit")
+        except ZygoteLost:
+            self._lose_zygote()
+        finally:
+            os.close(pidfd)
         self._sweep_cgroup()
 
-    def _kill(self, pid: int) -> None:
-        if not self.plan.pidns and self.cgroup is not None and self.cgroup.dirs:
-            self.cgroup.kill_all(timeout=1.0, exclude=self._me)
-        try:
-            os.kill(pid, signal.SIGKILL)  # pid 1 of the execution's PID namespace: takes all with it
-        except ProcessLookupError:
-            pass
-        if not self.plan.pidns:
-            kill_all_children(self._reaped)
-
-    def _reap(self, pid: int, timeout: float = DRAIN_SECONDS):
-        """(wait status, rusage) of child `pid` once it exits within `timeout`, else (None, None)."""
-        if pid in self._reaped:
-            return self._reaped.pop(pid)
-        try:
-            wpid, wstatus, usage = os.wait4(pid, os.WNOHANG)
-            if not wpid:
-                pidfd = os.pidfd_open(pid)
-                try:
-                    ready, _, _ = select.select([pidfd], [], [], timeout)
-                finally:
-                    os.close(pidfd)
-                if not ready:
-                    return None, None
-                wpid, wstatus, usage = os.wait4(pid, 0)
-            return wstatus, usage
-        except ChildProcessError:
-            return self._reaped.pop(pid, (-1, None))
-
-    def _monitor(self, pid, t0, timeout, limits, out_r, err_r, rep_r, in_w, stdin_data, control,
-                 job_id) -> dict:
+    def _monitor(self, init, t0, timeout, limits, out_r, err_r, rep_r, stop_w, outgoing, control,
+                 job_id, owned) -> dict:
         cap = int(limits["output_bytes"])
         bufs = {out_r: bytearray(), err_r: bytearray()}
         trunc = {out_r: False, err_r: False}
         report = bytearray()
         poller = select.poll()
-        open_fds = {out_r, err_r, rep_r}
-        for fd in open_fds:
+
+        def close(fd: int) -> None:
+            os.close(fd)
+            owned.discard(fd)
+
+        reading = {out_r, err_r, rep_r}
+        for fd in reading:
             poller.register(fd, select.POLLIN)
-        view = memoryview(stdin_data)
-        if in_w is not None:
-            if view:
-                poller.register(in_w, select.POLLOUT)
-            else:
-                os.close(in_w)
-                in_w = None
+        views = {}
+        for fd, view in outgoing.items():
+            if not view:
+                close(fd)
+                continue
+            os.set_blocking(fd, False)
+            views[fd] = view
+            poller.register(fd, select.POLLOUT)
         if control is not None:
             poller.register(control.fileno(), select.POLLIN)
+        zfd = self._zygote[1].fileno()  # the zygote's answer to `_spawn`: the init's pidfd
+        poller.register(zfd, select.POLLIN)
+
+        def spawned() -> None:
+            if init == [None]:
+                poller.unregister(zfd)
+                self._spawned(init, owned)
+
         deadline = t0 + timeout
-        killed = None
+        killed = None  # why the execution was stopped before its end
+        stop_at = None  # when the init was asked to stop it
+        hard = False  # the init was SIGKILLed
         drain_until = None
         final_seen = False  # the init reported, after killing and reaping everything else
-        while open_fds - ({rep_r} if final_seen else set()):
+
+        def stop(why: str) -> None:
+            nonlocal killed, stop_at
+            killed = killed or why
+            if stop_at is None:
+                stop_at = time.monotonic()
+                try:
+                    os.write(stop_w, b"s")
+                except OSError:
+                    pass
+
+        def kill_hard() -> None:
+            nonlocal hard, drain_until
+            hard = True
+            spawned()
+            self._hard_kill(init[1])
+            drain_until = time.monotonic() + DRAIN_SECONDS
+
+        while reading - ({rep_r} if final_seen else set()):
             now = time.monotonic()
             if killed is None and now >= deadline:
-                killed = "timeout"
-                self._kill(pid)
-                drain_until = now + DRAIN_SECONDS
+                stop("timeout")
+            if stop_at is not None and not (hard or final_seen) and now >= stop_at + STOP_GRACE_SECONDS:
+                kill_hard()
             if drain_until is not None and now >= drain_until:
-                if killed is None:
-                    killed = "lingering"
-                    self._kill(pid)
-                    drain_until = now + DRAIN_SECONDS
+                if hard:
+                    break
+                killed = killed or "lingering"
+                kill_hard()
+                continue
+            times = [drain_until]
+            if killed is None:
+                times.append(deadline)
+            if stop_at is not None and not (hard or final_seen):
+                times.append(stop_at + STOP_GRACE_SECONDS)
+            wait_ms = max(0, int((min(t for t in times if t is not None) - now) * 1000) + 1)
+            for fd, _ in poller.poll(wait_ms):
+                if fd == zfd:
+                    spawned()
                     continue
-                break
-            limit = min(deadline, drain_until or deadline) if killed is None else drain_until
-            wait_ms = max(0, int((limit - now) * 1000) + 1)
-            for fd, ev in poller.poll(wait_ms):
-                if fd == in_w:
+                if fd in views:
                     try:
-                        n = os.write(in_w, view[:65536])
-                        view = view[n:]
+                        views[fd] = views[fd][os.write(fd, views[fd][:65536]):]
                     except BlockingIOError:
                         continue
                     except OSError:
-                        view = view[:0]
-                    if not view:
-                        poller.unregister(in_w)
-                        os.close(in_w)
-                        in_w = None
+                        views[fd] = views[fd][:0]
+                    if not views[fd]:
+                        poller.unregister(fd)
+                        close(fd)
+                        del views[fd]
                     continue
                 if control is not None and fd == control.fileno():
                     try:
@@ -618,10 +1016,8 @@ class Worker:
                         control = None
                     if msg[0] == "stop":
                         self.stop_requested = True
-                    if killed is None and (msg[0] == "stop" or msg[1] in (job_id, "pool connection lost")):
-                        killed = "cancelled"
-                        self._kill(pid)
-                        drain_until = time.monotonic() + DRAIN_SECONDS
+                    if msg[0] == "stop" or msg[1] in (job_id, "pool connection lost"):
+                        stop("cancelled")
                     continue
                 try:
                     chunk = os.read(fd, 1 << 16)
@@ -629,15 +1025,14 @@ class Worker:
                     chunk = b""
                 if not chunk:
                     poller.unregister(fd)
-                    os.close(fd)
-                    open_fds.discard(fd)
+                    close(fd)
+                    reading.discard(fd)
                     if fd == rep_r and drain_until is None:
-                        drain_until = time.monotonic() + DRAIN_SECONDS  # init is gone
+                        drain_until = time.monotonic() + DRAIN_SECONDS  # the init is gone
                     continue
                 if fd == rep_r:
                     report += chunk
-                    if self.plan.pidns and not final_seen and any(
-                            line.startswith(b"R") for line in bytes(report).split(b"\n")[:-1]):
+                    if not final_seen and any(line.startswith(b"R") for line in bytes(report).split(b"\n")[:-1]):
                         final_seen = True
                         if drain_until is None:
                             drain_until = time.monotonic() + DRAIN_SECONDS
@@ -647,47 +1042,50 @@ class Worker:
                 if len(chunk) > room:
                     buf += chunk[:max(room, 0)]
                     trunc[fd] = True
-                    if killed is None:
-                        killed = "output_limit"
-                        self._kill(pid)
-                        drain_until = time.monotonic() + DRAIN_SECONDS
+                    stop("output_limit")
                 else:
                     buf += chunk
-        deferred = final_seen and rep_r in open_fds and killed is None
-        for fd in open_fds:
+        for fd in reading:
             poller.unregister(fd)
-            if not (deferred and fd == rep_r):
-                os.close(fd)
-        if in_w is not None:
-            os.close(in_w)
+            close(fd)
+        for fd in views:
+            close(fd)
         wall = time.monotonic() - t0
-        if deferred:
-            # Every process of the program is gone; only the init's own exit (and the teardown
-            # of its namespaces) is left: reap it after the result has been sent.
-            self._pending = (pid, rep_r)
-            wstatus, usage = None, None
+        spawned()
+        pid, pidfd = init
+        init_status = cpu = None
+        if final_seen:
+            # Every process of the program is gone and the working copy is back; only the
+            # init's own exit (and the teardown of its namespaces) is left: after the reply.
+            owned.discard(pidfd)
+            self._pending = (pid, pidfd)
         else:
-            wstatus, usage = self._reap(pid)
-            if wstatus is None:
-                self._kill(pid)
+            done = self._await_init(pid, DRAIN_SECONDS)
+            if done is None:
                 killed = killed or "lingering"
-                wstatus, usage = self._reap(pid, DRAIN_SECONDS)
+                self._hard_kill(pidfd)
+                done = self._await_init(pid, DRAIN_SECONDS)
+                if done is None:
+                    raise ZygoteLost("the init did not exit after SIGKILL")
+            init_status, cpu = done
+            close(pidfd)
             wall = time.monotonic() - t0
-        errors, final = [], None
+        errors, notes, final = [], [], None
         for line in bytes(report).decode("utf-8", "replace").splitlines():
             if line.startswith("E"):
                 errors.append(line[1:])
+            elif line.startswith("I"):
+                notes.append(line[1:])
             elif line.startswith("R"):
                 try:
-                    status, cpu = line[1:].split()
-                    final = {"status": int(status), "cpu": float(cpu)}
+                    status, cpu_s = line[1:].split()
+                    final = {"status": int(status), "cpu": float(cpu_s)}
                 except ValueError:
                     errors.append("malformed report")
         res = {"stdout": bytes(bufs[out_r]), "stderr": bytes(bufs[err_r]),
                "stdout_truncated": trunc[out_r], "stderr_truncated": trunc[err_r],
-               "wall_time": wall, "killed": killed, "setup_errors": errors,
-               "init_status": wstatus, "returncode": None, "info": "",
-               "cpu_time": (usage.ru_utime + usage.ru_stime) if usage else None}
+               "wall_time": wall, "killed": killed, "setup_errors": errors, "notes": notes,
+               "init_status": init_status, "returncode": None, "info": "", "cpu_time": cpu}
         if final is not None:
             res["returncode"] = isolation.wait_status_to_returncode(final["status"])
             res["cpu_time"] = max(final["cpu"], res["cpu_time"] or 0.0)
@@ -697,6 +1095,7 @@ class Worker:
     def _classify(res: dict, limits: dict) -> None:
         killed = res.pop("killed")
         errors = res.pop("setup_errors")
+        notes = res.pop("notes")
         init_status = res.pop("init_status")
         oom = res.pop("oom", False)
         rc = res["returncode"]
@@ -726,6 +1125,8 @@ class Worker:
             res.update(status="ok")
         else:
             res.update(status="error")
+        if notes:
+            res["info"] = "; ".join(filter(None, [res["info"], *notes]))[:2000]
 
 
 def serve(sock: socket.socket, parent_pid: int) -> None:
@@ -735,10 +1136,13 @@ def serve(sock: socket.socket, parent_pid: int) -> None:
     cfg = _wire.recv(sock)
     try:
         worker = Worker(cfg)
+        info = worker.describe()
+        if cfg.get("probe"):
+            info["probe"] = probe_lib.run(worker, cfg.get("python") or sys.executable)
     except Exception as e:  # noqa: BLE001
         _wire.send(sock, ("failed", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         return
-    _wire.send(sock, ("ready", worker.describe()))
+    _wire.send(sock, ("ready", info))
     while True:
         try:
             msg = _wire.recv(sock)
