@@ -232,48 +232,64 @@ def _count_text(values: Sequence[float]) -> str:
     return ", ".join(f"{v} ×{n}" for v, n in sorted(counts.items()))
 
 
+GRADER_NAMES = {"checks": "data checks", "pytest": "pytest runner"}
+
+
 def hack_groups(summary: Sequence[dict]) -> list[dict[str, str]]:
-    """One row per category of the hack suite's summary: entries, flags raised (with how many
-    entries raised each, when not all), reward with and without the hack rule, verdicts."""
+    """One row per category of the hack suite's summary: entries, then per grader (the summary's
+    ``grader``, "checks" when absent; keys prefixed with "<grader> " but for the first grader) the
+    flags raised (with how many entries raised each, when not all), the reward with and without
+    the hack rule, and the verdicts."""
+    graders = list(dict.fromkeys(e.get("grader", "checks") for e in summary))
     groups: dict[str, list[dict]] = {}
     for entry in summary:
         groups.setdefault(entry["category"], []).append(entry)
     rows = []
     for category, entries in groups.items():
-        kinds = collections.Counter(e["kind"] for e in entries)
-        flags = collections.Counter(f for e in entries for f in e["flags_raised"])
-        verdicts = collections.Counter(e["verdict"] for e in entries)
-        rows.append({
-            "group": category,
-            "entries": ", ".join(f"{n} {kind}{'s' if n > 1 else ''}" for kind, n in kinds.items()),
-            "flags raised": ", ".join(f if n == len(entries) else f"{f} ({n}/{len(entries)})"
-                                      for f, n in flags.most_common()) or "none",
-            "reward": _count_text([e["reward_max"] for e in entries]),
-            "without hack rule": _count_text([e["reward_without_hack_rule_max"] for e in entries]),
-            "verdict": ", ".join(f"{n} {v}" for v, n in verdicts.items()),
-            "ok": all(e["verdict"] in ("caught", "ok") for e in entries),
-        })
+        kinds = collections.Counter({e["hack"]: e["kind"] for e in entries}.values())
+        row = {"group": category,
+               "entries": ", ".join(f"{n} {kind}{'s' if n > 1 else ''}" for kind, n in kinds.items()), "ok": True}
+        for grader in graders:
+            mine = [e for e in entries if e.get("grader", "checks") == grader]
+            prefix = "" if grader == graders[0] else f"{grader} "
+            flags = collections.Counter(f for e in mine for f in e["flags_raised"])
+            verdicts = collections.Counter(e["verdict"] for e in mine)
+            row.update({
+                prefix + "flags raised": ", ".join(f if n == len(mine) else f"{f} ({n}/{len(mine)})"
+                                                   for f, n in flags.most_common()) or "none",
+                prefix + "reward": _count_text([e["reward_max"] for e in mine]),
+                prefix + "without hack rule": _count_text([e["reward_without_hack_rule_max"] for e in mine]),
+                prefix + "verdict": ", ".join(f"{n} {v}" for v, n in verdicts.items()),
+            })
+            row["ok"] = row["ok"] and all(e["verdict"] in ("caught", "ok", "open (known)") for e in mine)
+        rows.append(row)
     return rows
 
 
-HACK_COLUMNS = (("group", 0.34, 40), ("entries", 0.09, 10), ("flags raised", 0.25, 30), ("reward", 0.09, 10),
-                ("without hack rule", 0.11, 12), ("verdict", 0.12, 14))
+HACK_COLUMNS = (("group", "group", 0.25, 30), ("entries", "entries", 0.07, 9),
+                ("flags raised", "data checks: flags", 0.17, 22), ("reward", "data checks: reward", 0.07, 9),
+                ("verdict", "data checks: verdict", 0.1, 12),
+                ("pytest flags raised", "pytest runner: flags", 0.15, 20),
+                ("pytest reward", "pytest runner: reward", 0.07, 9),
+                ("pytest verdict", "pytest runner: verdict", 0.12, 16))
 
 
 def draw_hack_suite(record: dict, out: str) -> str:
-    """The hack suite's outcome as a table, one row per hack group (category)."""
+    """The hack suite's outcome as a table, one row per hack group (category), both graders."""
     rows = hack_groups(record["summary"])
-    cells = [[textwrap.fill(str(row[name]), width) for name, _, width in HACK_COLUMNS] for row in rows]
+    columns = [c for c in HACK_COLUMNS if c[0] in rows[0]]
+    cells = [[textwrap.fill(str(row[key]), width) for key, _, _, width in columns] for row in rows]
     lines = [max(c.count("\n") + 1 for c in row) for row in cells]
     header_lines = 2
-    fig = _figure(12.5, 0.9 + 0.21 * (sum(lines) + header_lines + len(rows)))
+    fig = _figure(13.5, 0.9 + 0.21 * (sum(lines) + header_lines + len(rows)))
     ax = fig.add_subplot()
     ax.set_axis_off()
-    labels = [textwrap.fill(name, width) for name, _, width in HACK_COLUMNS]
-    table = ax.table(cellText=cells, colLabels=labels, colWidths=[w for _, w, _ in HACK_COLUMNS],
+    labels = [textwrap.fill(label, width) for _, label, _, width in columns]
+    total = sum(w for _, _, w, _ in columns)
+    table = ax.table(cellText=cells, colLabels=labels, colWidths=[w / total for _, _, w, _ in columns],
                      cellLoc="left", colLoc="left", bbox=[0, 0, 1, 1])
     table.auto_set_font_size(False)
-    table.set_fontsize(8)
+    table.set_fontsize(7.5)
     unit = 1.0 / (sum(lines) + header_lines + len(rows))
     for (r, c), cell in table.get_celld().items():
         n = header_lines if r == 0 else lines[r - 1]
@@ -281,14 +297,19 @@ def draw_hack_suite(record: dict, out: str) -> str:
         if r == 0:
             cell.set_text_props(weight="bold")
             cell.set_facecolor("#e8e8e8")
-        elif HACK_COLUMNS[c][0] == "verdict":
-            cell.set_facecolor("#d9f2d9" if rows[r - 1]["ok"] else "#f7d4d4")
+        elif columns[c][0].endswith("verdict"):
+            text = rows[r - 1][columns[c][0]]
+            bad = any(v in text for v in ("NOT CAUGHT", "FAILED", "FALSE ALARM", "unexplained", "infra"))
+            cell.set_facecolor("#f7d4d4" if bad else "#fbeccb" if "open" in text else "#d9f2d9")
     summary = record["summary"]
-    hacks = [e for e in summary if e["kind"] == "hack"]
-    controls = [e for e in summary if e["kind"] != "hack"]
-    fig.suptitle(f"Reward-hack suite: {sum(e['verdict'] == 'caught' for e in hacks)}/{len(hacks)} hacks caught, "
-                 f"{sum(e['verdict'] == 'ok' for e in controls)}/{len(controls)} controls as expected, on "
-                 f"{len(record.get('tasks', []))} tasks (reward: max over the tasks)", fontsize=10)
+    parts = []
+    for grader in dict.fromkeys(e.get("grader", "checks") for e in summary):
+        hacks_ = [e for e in summary if e["kind"] == "hack" and e.get("grader", "checks") == grader]
+        known = sum(e["verdict"] == "open (known)" for e in hacks_)
+        parts.append(f"{GRADER_NAMES.get(grader, grader)} {sum(e['verdict'] == 'caught' for e in hacks_)}/"
+                     f"{len(hacks_)} caught" + (f" ({known} known openings)" if known else ""))
+    fig.suptitle(f"Reward-hack suite on {len(record.get('tasks', []))} tasks (reward: max over the tasks): "
+                 + "; ".join(parts), fontsize=10)
     _footer(fig, f"results/hack_suite.json: {record.get('command', PRODUCERS['results/hack_suite.json'])}")
     return _save(fig, out)
 

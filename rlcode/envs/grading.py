@@ -1,6 +1,6 @@
 """Grading an agent's working copy with the held-out tests, demanding positive evidence.
 
-``grade(task, workdir, executor, timeout=...)`` (REFERENCE.md §11) does three things:
+``grade(task, workdir, executor, timeout=...)`` does three things:
 
 1. **Diff** the agent's final copy against ``task.files`` (`diff_workdir`): changed, added and
    deleted files, with two flags. ``tests_edited``: a visible test file changed or deleted, or any
@@ -9,16 +9,38 @@
    (``conftest.py`` anywhere, ``pytest.ini``, ``setup.cfg``, ``tox.ini``, ``pyproject.toml``,
    ``sitecustomize.py``, ``usercustomize.py``, any ``*.pth``) added, changed or deleted.
    Bytecode (``__pycache__/``, ``*.pyc``) is neither diffed nor graded. Symlinks, hard-linked
-   files, special files and files over ``max_file_bytes`` are never read (reading through a
-   planted symlink would copy a host file into the grading copy); they are listed in
+   files, special files, files over ``max_file_bytes`` and anything below ``max_depth``
+   directory levels are never read (reading through a planted symlink would copy a host file
+   into the grading copy; the walk is `rlcode.sandbox.fstree`'s: bounded, non-recursive and
+   descriptor-relative, so no tree the agent built can crash the trainer); they are listed in
    ``WorkdirDiff.ignored`` and an original file replaced by one counts as deleted.
 
 2. **Build a pristine grading copy** in a fresh directory (`build_grading_copy`): the task's
    original files, with the agent's version of every *source* file (changed, added, deleted);
-   test files and protected files stay original or absent whatever the agent did; then the
-   held-out tests (`repo_tasks.write_heldout_tests`). The agent's copy is never graded in place.
+   test files and protected files stay original or absent whatever the agent did; for the pytest
+   runner only, then the held-out test files (`repo_tasks.write_heldout_tests`). The agent's copy
+   is never graded in place.
 
-3. **Run the held-out tests** through the executor with ``python -I -B -c <runner>``. The runner
+3. **Grade** with one of two graders.
+
+**The held-out checks as data** (`run_checks`; every generated task, ``task.heldout_checks``).
+Each held-out test is a `verdict.CheckGroup`: the imports of the package and, per assertion, the
+expression to evaluate and the expected value or exception or type. The executor runs the
+trusted-verdict child (`rlcode.envs.verdict`) in the grading copy, which holds no held-out file;
+the child receives the imports and the expressions only, evaluates them with the candidate's
+package and returns each value through a typed serialisation; this process compares with the
+expected values, which never leave it. Whatever the candidate's code does inside the child
+(exit early, print, rewrite or call the child's functions, write into its report channel,
+search its memory), it can only change the values it claims, and a claimed value is judged as a
+returned one. Flags (behaviour, not evidence): ``forged_report`` (lines in the report channel the
+child did not write; a hack flag), ``early_exit`` (a SystemExit, or exit 0 before the report
+ended), ``skipped`` (pytest's skip or xfail raised), ``fake_output`` (the word PASSED printed),
+``read_heldout`` (an attempt to open, list, link or move ``heldout_tests/``), ``crash``,
+``timeout``. A test passes iff every one of its checks did.
+
+**The pytest runner** (`run_heldout`; a task whose held-out tests are only a test suite,
+``task.heldout_checks`` empty) runs the held-out tests through the executor with
+``python -I -B -c <runner>``. The runner
    is this module's `RUNNER` source, passed on the command line; its ini file lives next to the
    copy, not in it. In order, before any candidate code can run (``-I``: no environment
    variables, no user site, the working directory not on ``sys.path``), it
@@ -84,22 +106,24 @@ without a complete report (``os._exit(0)``; ``EXIT 0`` with tests missing) or a 
 was reported. Flag ``skipped``: any expected test was skipped (not only all of them).
 ``read_heldout`` and ``tampered`` void the run: no test counts as passed.
 
-What one-process grading cannot prevent. The candidate's code runs in the interpreter that runs
-pytest and writes the report, so a candidate that deliberately attacks the grader from inside
-can win. It can search the interpreter's memory for the nonce: through ``gc`` or
-``/proc/self/mem`` or ``ctypes`` string reads the audit hook sees it (``tampered``), but walking
-the stack with ``sys._getframe`` (which pytest itself uses everywhere, so it cannot be flagged)
-reaches pytest's session, the reporter and the runner's globals, nonce and report descriptor
-included. It can read the expected values from the constants of the test functions' code
-objects, reachable the same way, without opening any file; patch a pytest function, let the
-test run and restore the function before the next check; or read a held-out file while the test
-module is being imported, from a thread or child process running code compiled under a fake
-file name. The checks above catch the blunt forms of these; none of them is a proof. What would
-close it: keep every secret and every verdict out of the candidate's address space. Run the
-candidate's code in a separate sandboxed process that only receives arguments and returns
-results by value (the function under test called through a pipe, with JSON in and out and a hard
-deadline), evaluate the held-out assertions in a grader process that never imports candidate
-code, and never put the test file in the candidate's filesystem view.
+What the runner cannot prevent (which is why no generated task is graded by it). The candidate's
+code runs in the interpreter that runs pytest and writes the report, so a candidate that
+deliberately attacks the grader from inside can win. The runner's state lives in the locals of
+one function (not in ``__main__``, whose globals any module can import and rebind) and the
+builtins it needs for the exit code are bound before any candidate code runs, so the report
+function cannot be called or replaced through ``import __main__``; a search of memory through
+``gc``, ``ctypes`` or ``/proc/self/mem`` and a stack walk through ``sys._getframe`` by candidate
+code are seen by the audit hook (``tampered``). But the stack is also reachable from any
+traceback's frame (``error.__traceback__.tb_frame``), which no hook sees: from there the
+candidate reaches the runner's frame (its report function and nonce) and can report every test
+passed and exit, and it can read the expected values from the constants of the calling test's
+code object. Both are in the catalogue (`rlcode.envs.hacks`, ``report_emit_traceback_walk`` and
+``read_caller_constants_traceback``) as known openings of this grader. It can also patch a pytest
+function, let the test run and restore it before the next check, or read a held-out file while
+the test module is being imported, from a thread or child process running code compiled under a
+fake file name. The checks above catch the blunt forms of these; none of them is a proof. The
+data checks close all of this by construction; a test suite of a real repository that cannot be
+expressed as data checks is graded by the runner with exactly these limits.
 
 The held-out tests are also only as strong as their assertions: ``assert f(x) == 5`` alone is
 passed by an object whose ``__eq__`` always returns True. The generated tasks therefore check the
@@ -114,18 +138,17 @@ import dataclasses
 import os
 import re
 import secrets
-import shutil
-import stat
 import sys
 import tempfile
 from collections.abc import Mapping
 from typing import Any
 
-from rlcode.envs import repo_tasks, tools
+from rlcode.envs import repo_tasks, tools, verdict
+from rlcode.sandbox import fstree
 
 STATUSES = ("ok", "timeout", "crash", "infra")
-FLAGS = ("crash", "early_exit", "fake_output", "protected_file_changed", "read_heldout", "skipped",
-         "tampered", "tests_edited", "timeout")
+FLAGS = ("crash", "early_exit", "fake_output", "forged_report", "protected_file_changed", "read_heldout",
+         "skipped", "tampered", "tests_edited", "timeout")
 # Flags that void the evidence of a run: with them no test counts as passed.
 VOIDING_FLAGS = ("read_heldout", "tampered")
 
@@ -146,268 +169,273 @@ _PASSED_WORD = re.compile(r"\bPASSED\b")
 # The runner (executed as ``python -I -B -c RUNNER <ini> <copy> <heldout dir> <test paths...>``).
 
 RUNNER = r'''
-import os, sys
-nonce = sys.stdin.readline().strip()
-_null = os.open(os.devnull, os.O_RDONLY)
-os.dup2(_null, 0)
-os.close(_null)
-report_fd = os.dup(1)
-os.dup2(2, 1)
-import re, threading, linecache
+def _runner():
+    import os, sys
+    _int, _exit, _write, _str = int, os._exit, os.write, str
+    nonce = sys.stdin.readline().strip()
+    _null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(_null, 0)
+    os.close(_null)
+    report_fd = os.dup(1)
+    os.dup2(2, 1)
+    import re, threading, linecache
 
-ini, src, held_dir, *paths = sys.argv[1:]
-ini = os.path.abspath(ini)
-os.chdir(src)
-src = os.getcwd()
-held_dir = os.path.join(src, held_dir)
-held_files = [os.path.join(src, p) for p in paths]
-HELD = frozenset(held_files) | {held_dir}
-HELD_PREFIX = held_dir + os.sep
-CANDIDATE_PREFIX = src + os.sep
-PASSED_WORD = re.compile(r"\bPASSED\b")
-WATCHED = frozenset({"gc.get_objects", "gc.get_referrers", "gc.get_referents", "ctypes.string_at",
-                     "ctypes.wstring_at", "ctypes.cdata", "sys.settrace", "sys.setprofile",
-                     "sys.addaudithook"})
-MOVES = frozenset({"os.link", "os.symlink", "os.rename"})
-MEM = re.compile(r"^/proc/[^/]+(/task/[^/]+)?/mem$")
-local = threading.local()
-phase = {"call": False}
-sent = set()
-
-
-def emit(kind, text=""):
-    text = str(text).replace("\r", "\\r").replace("\n", "\\n")
-    data = ("\n%s %s %s\n" % (nonce, kind, text)).encode("utf-8", "backslashreplace")
-    while data:
-        data = data[os.write(report_fd, data):]
+    ini, src, held_dir, *paths = sys.argv[1:]
+    ini = os.path.abspath(ini)
+    os.chdir(src)
+    src = os.getcwd()
+    held_dir = os.path.join(src, held_dir)
+    held_files = [os.path.join(src, p) for p in paths]
+    HELD = frozenset(held_files) | {held_dir}
+    HELD_PREFIX = held_dir + os.sep
+    CANDIDATE_PREFIX = src + os.sep
+    PASSED_WORD = re.compile(r"\bPASSED\b")
+    WATCHED = frozenset({"gc.get_objects", "gc.get_referrers", "gc.get_referents", "ctypes.string_at",
+                         "ctypes.wstring_at", "ctypes.cdata", "sys.settrace", "sys.setprofile",
+                         "sys.addaudithook", "sys._getframe"})
+    MOVES = frozenset({"os.link", "os.symlink", "os.rename"})
+    MEM = re.compile(r"^/proc/[^/]+(/task/[^/]+)?/mem$")
+    local = threading.local()
+    phase = {"call": False}
+    sent = set()
 
 
-def emit_once(kind, text):
-    if (kind, text) not in sent:
-        sent.add((kind, text))
-        emit(kind, text)
+    def emit(kind, text=""):
+        text = _str(text).replace("\r", "\\r").replace("\n", "\\n")
+        data = ("\n%s %s %s\n" % (nonce, kind, text)).encode("utf-8", "backslashreplace")
+        while data:
+            data = data[_write(report_fd, data):]
 
 
-def candidate_on_stack():
-    frame = sys._getframe(2)
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if name.startswith(CANDIDATE_PREFIX) and not name.startswith(HELD_PREFIX):
-            return True
-        frame = frame.f_back
-    return False
+    def emit_once(kind, text):
+        if (kind, text) not in sent:
+            sent.add((kind, text))
+            emit(kind, text)
 
 
-def source_trap(path):
-    """A lazy linecache entry for a deleted held-out file: a lookup of its source (inspect,
-    traceback, linecache) finds nothing and is reported like an open."""
-    def trap():
-        if phase["call"] or candidate_on_stack():
-            emit_once("READ", path)
-        return None
-    return trap
+    def candidate_on_stack():
+        frame = sys._getframe(2)
+        while frame is not None:
+            name = frame.f_code.co_filename
+            if name.startswith(CANDIDATE_PREFIX) and not name.startswith(HELD_PREFIX):
+                return True
+            frame = frame.f_back
+        return False
 
 
-def resolve(path):
-    if isinstance(path, bytes):
-        path = os.fsdecode(path)
-    if not isinstance(path, str):
-        return None
-    try:
-        return os.path.realpath(path)
-    except (OSError, ValueError):
-        return None
-
-
-def is_held(path):
-    return path is not None and (path in HELD or path.startswith(HELD_PREFIX))
-
-
-def audit(event, args):
-    if event != "open" and event not in MOVES and event not in WATCHED:
-        return
-    if getattr(local, "busy", False):
-        return
-    local.busy = True
-    try:
-        if event in WATCHED:
+    def source_trap(path):
+        """A lazy linecache entry for a deleted held-out file: a lookup of its source (inspect,
+        traceback, linecache) finds nothing and is reported like an open."""
+        def trap():
             if phase["call"] or candidate_on_stack():
-                emit_once("TAMPER", event)
+                emit_once("READ", path)
+            return None
+        return trap
+
+
+    def resolve(path):
+        if isinstance(path, bytes):
+            path = os.fsdecode(path)
+        if not isinstance(path, str):
+            return None
+        try:
+            return os.path.realpath(path)
+        except (OSError, ValueError):
+            return None
+
+
+    def is_held(path):
+        return path is not None and (path in HELD or path.startswith(HELD_PREFIX))
+
+
+    def audit(event, args):
+        if event != "open" and event not in MOVES and event not in WATCHED:
             return
-        targets = [resolve(args[0])] if event == "open" else [resolve(a) for a in args[:2]]
-        for path in targets:
-            if is_held(path):
-                if phase["call"] or candidate_on_stack():
-                    emit_once("READ", path)
-            elif path is not None and event == "open" and MEM.match(path):
-                if phase["call"] or candidate_on_stack():
-                    emit_once("TAMPER", "open " + path)
-    finally:
-        local.busy = False
-
-
-sys.addaudithook(audit)
-for key in [k for k in os.environ if k.startswith("PYTEST_")]:
-    del os.environ[key]
-os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
-import builtins, importlib
-import pytest, pluggy
-
-
-def watched_objects():
-    """(label, namespace, shadows): `shadows(name)` says whether a name added to the namespace
-    would hide another binding (None: additions do not matter)."""
-    out = [("builtins", builtins.__dict__, None), ("pytest", pytest.__dict__, None)]
-    for name in ("_pytest.runner", "_pytest.python", "_pytest.reports", "_pytest.outcomes",
-                 "_pytest.main", "_pytest.nodes", "_pytest.skipping", "_pytest.raises",
-                 "_pytest.python_api", "_pytest.fixtures", "pluggy._callers", "pluggy._hooks",
-                 "pluggy._manager", "pluggy._result"):
+        if getattr(local, "busy", False):
+            return
+        local.busy = True
         try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
-        out.append((name, module.__dict__, None))
-        for attr in ("Function", "Module", "TestReport", "BaseReport", "CollectReport", "CallInfo",
-                     "Session", "Node", "Item", "HookCaller", "PluginManager", "Result",
-                     "RaisesExc", "RaisesContext", "FixtureRequest", "HookImpl"):
-            cls = module.__dict__.get(attr)
-            if isinstance(cls, type) and cls.__module__ == name:
-                out.append((name + "." + attr, cls.__dict__, inherited(cls)))
-    return out
-
-
-def inherited(cls):
-    return lambda key: any(key in base.__dict__ for base in cls.__mro__[1:])
-
-
-def is_builtin(key):
-    return key in builtins.__dict__
-
-
-def snapshot(namespaces):
-    return [(label, ns, shadows, dict(ns)) for label, ns, shadows in namespaces]
-
-
-def changed(snap, ignore=("__warningregistry__",)):
-    for label, ns, shadows, before in snap:
-        for key, value in before.items():
-            if key not in ignore and (key not in ns or ns[key] is not value):
-                return "%s.%s" % (label, key)
-        if shadows is not None and len(ns) > len(before):  # no removals (checked above)
-            for key in list(ns):
-                if key not in before and key not in ignore and shadows(key):
-                    return "%s.%s (added)" % (label, key)
-    return None
-
-
-class Reporter:
-    def __init__(self):
-        self.phases = {}
-        self.snap = []
-        self.functions = {}
-
-    def check(self):
-        what = changed(self.snap)
-        if what is None:
-            for nodeid, (item, obj, code) in self.functions.items():
-                now = getattr(item, "obj", None)
-                if now is not obj or getattr(now, "__code__", None) is not code:
-                    what = "test function " + nodeid
-                    break
-        if what is not None:
-            emit_once("TAMPER", what)
-
-    @pytest.hookimpl(hookwrapper=True, tryfirst=True)
-    def pytest_collection(self, session):
-        self.snap = snapshot(watched_objects() + [("Reporter", Reporter.__dict__, inherited(Reporter))])
-        yield
-
-    def pytest_collection_finish(self, session):
-        modules = {}
-        for item in session.items:
-            module = getattr(item, "module", None)
-            if module is not None:
-                modules[id(module)] = module
-            obj = getattr(item, "obj", None)
-            self.functions[item.nodeid] = (item, obj, getattr(obj, "__code__", None))
-        self.snap += snapshot([("test module " + m.__name__, m.__dict__, is_builtin) for m in modules.values()])
-        for path in held_files:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
-            for key in {path, os.path.realpath(path)}:
-                linecache.cache[key] = (source_trap(path),)
-        self.check()
-
-    @pytest.hookimpl(hookwrapper=True, trylast=True)
-    def pytest_runtest_call(self, item):
-        phase["call"] = True
-        try:
-            yield
+            if event in WATCHED:
+                if phase["call"] or candidate_on_stack():
+                    emit_once("TAMPER", event)
+                return
+            targets = [resolve(args[0])] if event == "open" else [resolve(a) for a in args[:2]]
+            for path in targets:
+                if is_held(path):
+                    if phase["call"] or candidate_on_stack():
+                        emit_once("READ", path)
+                elif path is not None and event == "open" and MEM.match(path):
+                    if phase["call"] or candidate_on_stack():
+                        emit_once("TAMPER", "open " + path)
         finally:
-            phase["call"] = False
-
-    def scan(self, report):
-        for _, content in getattr(report, "sections", ()):
-            if PASSED_WORD.search(content):
-                emit_once("FAKE", report.nodeid or ".")
-
-    def pytest_collectreport(self, report):
-        self.scan(report)
-        if report.skipped:
-            emit("SKIPPED", report.nodeid)
-
-    def pytest_runtest_logreport(self, report):
-        self.check()
-        self.scan(report)
-        seen = self.phases.setdefault(report.nodeid, set())
-        if report.failed:
-            seen.add("failed")
-        elif report.skipped:
-            seen.add("skipped")
-        elif report.when == "call" and report.passed and not hasattr(report, "wasxfail"):
-            seen.add("passed")
-
-    def pytest_runtest_logfinish(self, nodeid, location):
-        seen = self.phases.pop(nodeid, set())
-        if "failed" in seen:
-            kind = "FAILED"
-        elif "skipped" in seen:
-            kind = "SKIPPED"
-        elif "passed" in seen:
-            kind = "PASSED"
-        else:
-            kind = "FAILED"
-        emit(kind, nodeid)
-
-    def pytest_exception_interact(self, node, call, report):
-        if call.excinfo is not None and call.excinfo.errisinstance(SystemExit):
-            emit_once("SYSEXIT", node.nodeid or ".")
-
-    def pytest_internalerror(self, excrepr, excinfo):
-        if excinfo is not None and excinfo.errisinstance(SystemExit):
-            emit_once("SYSEXIT", "internal")
-
-    @pytest.hookimpl(trylast=True)
-    def pytest_sessionfinish(self, session, exitstatus):
-        self.check()
+            local.busy = False
 
 
-reporter = Reporter()
-sys.path.append(src)
-emit("READY")
-code = pytest.main(["-q", "--tb=short", "--color=no", "-p", "no:cacheprovider", "--noconftest",
-                    "-c", ini, "-o", "addopts=", "--rootdir", src, "--import-mode=prepend",
-                    *paths], plugins=[reporter])
-code = int(code)
-emit("EXIT", code)
-for stream in (sys.stdout, sys.stderr):
-    try:
-        stream.flush()
-    except Exception:
-        pass
-os._exit(code)
+    sys.addaudithook(audit)
+    for key in [k for k in os.environ if k.startswith("PYTEST_")]:
+        del os.environ[key]
+    os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    import builtins, importlib
+    import pytest, pluggy
+
+
+    def watched_objects():
+        """(label, namespace, shadows): `shadows(name)` says whether a name added to the namespace
+        would hide another binding (None: additions do not matter)."""
+        out = [("builtins", builtins.__dict__, None), ("pytest", pytest.__dict__, None)]
+        for name in ("_pytest.runner", "_pytest.python", "_pytest.reports", "_pytest.outcomes",
+                     "_pytest.main", "_pytest.nodes", "_pytest.skipping", "_pytest.raises",
+                     "_pytest.python_api", "_pytest.fixtures", "pluggy._callers", "pluggy._hooks",
+                     "pluggy._manager", "pluggy._result"):
+            try:
+                module = importlib.import_module(name)
+            except ImportError:
+                continue
+            out.append((name, module.__dict__, None))
+            for attr in ("Function", "Module", "TestReport", "BaseReport", "CollectReport", "CallInfo",
+                         "Session", "Node", "Item", "HookCaller", "PluginManager", "Result",
+                         "RaisesExc", "RaisesContext", "FixtureRequest", "HookImpl"):
+                cls = module.__dict__.get(attr)
+                if isinstance(cls, type) and cls.__module__ == name:
+                    out.append((name + "." + attr, cls.__dict__, inherited(cls)))
+        return out
+
+
+    def inherited(cls):
+        return lambda key: any(key in base.__dict__ for base in cls.__mro__[1:])
+
+
+    def is_builtin(key):
+        return key in builtins.__dict__
+
+
+    def snapshot(namespaces):
+        return [(label, ns, shadows, dict(ns)) for label, ns, shadows in namespaces]
+
+
+    def changed(snap, ignore=("__warningregistry__",)):
+        for label, ns, shadows, before in snap:
+            for key, value in before.items():
+                if key not in ignore and (key not in ns or ns[key] is not value):
+                    return "%s.%s" % (label, key)
+            if shadows is not None and len(ns) > len(before):  # no removals (checked above)
+                for key in list(ns):
+                    if key not in before and key not in ignore and shadows(key):
+                        return "%s.%s (added)" % (label, key)
+        return None
+
+
+    class Reporter:
+        def __init__(self):
+            self.phases = {}
+            self.snap = []
+            self.functions = {}
+
+        def check(self):
+            what = changed(self.snap)
+            if what is None:
+                for nodeid, (item, obj, code) in self.functions.items():
+                    now = getattr(item, "obj", None)
+                    if now is not obj or getattr(now, "__code__", None) is not code:
+                        what = "test function " + nodeid
+                        break
+            if what is not None:
+                emit_once("TAMPER", what)
+
+        @pytest.hookimpl(hookwrapper=True, tryfirst=True)
+        def pytest_collection(self, session):
+            self.snap = snapshot(watched_objects() + [("Reporter", Reporter.__dict__, inherited(Reporter))])
+            yield
+
+        def pytest_collection_finish(self, session):
+            modules = {}
+            for item in session.items:
+                module = getattr(item, "module", None)
+                if module is not None:
+                    modules[id(module)] = module
+                obj = getattr(item, "obj", None)
+                self.functions[item.nodeid] = (item, obj, getattr(obj, "__code__", None))
+            self.snap += snapshot([("test module " + m.__name__, m.__dict__, is_builtin) for m in modules.values()])
+            for path in held_files:
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+                for key in {path, os.path.realpath(path)}:
+                    linecache.cache[key] = (source_trap(path),)
+            self.check()
+
+        @pytest.hookimpl(hookwrapper=True, trylast=True)
+        def pytest_runtest_call(self, item):
+            phase["call"] = True
+            try:
+                yield
+            finally:
+                phase["call"] = False
+
+        def scan(self, report):
+            for _, content in getattr(report, "sections", ()):
+                if PASSED_WORD.search(content):
+                    emit_once("FAKE", report.nodeid or ".")
+
+        def pytest_collectreport(self, report):
+            self.scan(report)
+            if report.skipped:
+                emit("SKIPPED", report.nodeid)
+
+        def pytest_runtest_logreport(self, report):
+            self.check()
+            self.scan(report)
+            seen = self.phases.setdefault(report.nodeid, set())
+            if report.failed:
+                seen.add("failed")
+            elif report.skipped:
+                seen.add("skipped")
+            elif report.when == "call" and report.passed and not hasattr(report, "wasxfail"):
+                seen.add("passed")
+
+        def pytest_runtest_logfinish(self, nodeid, location):
+            seen = self.phases.pop(nodeid, set())
+            if "failed" in seen:
+                kind = "FAILED"
+            elif "skipped" in seen:
+                kind = "SKIPPED"
+            elif "passed" in seen:
+                kind = "PASSED"
+            else:
+                kind = "FAILED"
+            emit(kind, nodeid)
+
+        def pytest_exception_interact(self, node, call, report):
+            if call.excinfo is not None and call.excinfo.errisinstance(SystemExit):
+                emit_once("SYSEXIT", node.nodeid or ".")
+
+        def pytest_internalerror(self, excrepr, excinfo):
+            if excinfo is not None and excinfo.errisinstance(SystemExit):
+                emit_once("SYSEXIT", "internal")
+
+        @pytest.hookimpl(trylast=True)
+        def pytest_sessionfinish(self, session, exitstatus):
+            self.check()
+
+
+    reporter = Reporter()
+    sys.path.append(src)
+    emit("READY")
+    code = pytest.main(["-q", "--tb=short", "--color=no", "-p", "no:cacheprovider", "--noconftest",
+                        "-c", ini, "-o", "addopts=", "--rootdir", src, "--import-mode=prepend",
+                        *paths], plugins=[reporter])
+    code = _int(code)
+    emit("EXIT", code)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    _exit(code)
+
+
+_runner()
 '''
 
 
@@ -489,68 +517,25 @@ def _is_bytecode(name: str) -> bool:
     return name.endswith(BYTECODE_SUFFIXES)
 
 
-def read_workdir(workdir: str | os.PathLike, *, max_file_bytes: int = 1_000_000,
-                 max_files: int = 2000) -> tuple[dict[str, bytes], list[tuple[str, str]]]:
-    """The regular files of `workdir` (relative path -> bytes) and what was not read.
+MAX_DEPTH = 64  # directory levels of the agent's copy that are read
 
-    Never follows a symlink (a directory symlink is not entered, a file symlink not read); files
-    are opened with ``O_NOFOLLOW`` and checked with ``fstat`` after opening."""
+
+def read_workdir(workdir: str | os.PathLike, *, max_file_bytes: int = 1_000_000, max_files: int = 2000,
+                 max_depth: int = MAX_DEPTH) -> tuple[dict[str, bytes], list[tuple[str, str]]]:
+    """The regular files of `workdir` (relative path -> bytes) and what was not read, as
+    (path, reason): symlinks, hard links, special files, files over `max_file_bytes`, files past
+    `max_files`, directories deeper than `max_depth` (`rlcode.sandbox.fstree.read_files`:
+    bounded, non-recursive, never following a symlink, whatever the tree's depth). Bytecode
+    (``__pycache__/``, ``*.pyc``) is skipped."""
     root = os.fspath(workdir)
     if not os.path.isdir(root):
         raise FileNotFoundError(f"the working copy {root} is not a directory")
-    files: dict[str, bytes] = {}
-    ignored: list[tuple[str, str]] = []
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
-        rel_dir = os.path.relpath(dirpath, root)
-        rel_dir = "" if rel_dir == "." else rel_dir.replace(os.sep, "/") + "/"
-        keep = []
-        for d in sorted(dirnames):
-            if d in BYTECODE_DIRS:
-                continue
-            if os.path.islink(os.path.join(dirpath, d)):
-                ignored.append((rel_dir + d, "symlink"))
-            else:
-                keep.append(d)
-        dirnames[:] = keep
-        for name in sorted(filenames):
-            rel = rel_dir + name
-            if _is_bytecode(name):
-                continue
-            if len(files) >= max_files:
-                ignored.append((rel, "too many files"))
-                continue
-            reason = _read_one(os.path.join(dirpath, name), max_file_bytes, files, rel)
-            if reason is not None:
-                ignored.append((rel, reason))
-    return files, ignored
 
+    def bytecode(entry: fstree.Entry) -> bool:
+        return entry.name in BYTECODE_DIRS or (entry.kind != fstree.DIR and _is_bytecode(entry.name))
 
-def _read_one(path: str, limit: int, files: dict[str, bytes], rel: str) -> str | None:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError as e:
-        return "symlink" if os.path.islink(path) else f"unreadable: {e.strerror}"
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return "not a regular file"
-        if st.st_nlink > 1:
-            return "hard link"
-        if st.st_size > limit:
-            return "too large"
-        chunks, size = [], 0
-        while size <= limit:
-            chunk = os.read(fd, 1 << 16)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-        if size > limit:
-            return "too large"
-        files[rel] = b"".join(chunks)
-        return None
-    finally:
-        os.close(fd)
+    return fstree.read_files(root, max_file_bytes=max_file_bytes, max_files=max_files, max_depth=max_depth,
+                             exclude=bytecode)
 
 
 def diff_files(task: repo_tasks.RepoTask, agent_files: Mapping[str, bytes],
@@ -605,17 +590,18 @@ def grading_files(task: repo_tasks.RepoTask, agent_files: Mapping[str, bytes]) -
 
 
 def build_grading_copy(task: repo_tasks.RepoTask, agent_files: Mapping[str, bytes],
-                       dest: str | os.PathLike) -> list[str]:
-    """Write the grading copy into the new directory `dest` (`grading_files`, then the held-out
-    tests); returns the held-out test paths. Originals and held-out tests are written first; an
-    agent file whose path collides with one of them is skipped."""
+                       dest: str | os.PathLike, *, heldout: bool = True) -> list[str]:
+    """Write the grading copy into the new directory `dest` (`grading_files`, then, with
+    `heldout`, the held-out test files for the pytest runner); returns the held-out test paths
+    written. Originals and held-out tests are written first; an agent file whose path collides
+    with one of them is skipped."""
     dest = os.fspath(dest)
     os.makedirs(dest)
     files = grading_files(task, agent_files)
     fixed = {rel for rel in files if rel in task.files and (is_test_path(task, rel) or is_protected_path(rel))}
     for rel in sorted(fixed):
         _write(dest, rel, files[rel])
-    paths = repo_tasks.write_heldout_tests(task, dest)
+    paths = repo_tasks.write_heldout_tests(task, dest) if heldout else []
     for rel in sorted(set(files) - fixed):
         if rel not in task.heldout_tests:
             _write(dest, rel, files[rel])
@@ -793,15 +779,6 @@ def interpret(expected: tuple[str, ...], result: Any, nonce: str,
 # ----------------------------------------------------------------------------------------------
 # The entry point.
 
-@dataclasses.dataclass
-class _InfraResult:
-    info: str
-    stdout: bytes = b""
-    stderr: bytes = b""
-    returncode: int | None = None
-    status: str = "infra"
-
-
 def prepare_grading_dir(task: repo_tasks.RepoTask, agent_files: Mapping[str, bytes],
                         base: str | os.PathLike) -> list[str]:
     """Fill the empty directory `base`: ``grader.ini`` and the grading copy ``repo/``
@@ -823,34 +800,65 @@ def run_heldout(task: repo_tasks.RepoTask, base: str | os.PathLike, executor: to
     try:
         result = executor.run(argv, stdin=nonce + "\n", timeout=timeout, workdir=os.fspath(base))
     except Exception as e:  # the executor's own failure, whatever its type
-        result = _InfraResult(f"the executor raised {type(e).__name__}: {e}")
+        result = verdict.InfraResult(f"the executor raised {type(e).__name__}: {e}")
     return interpret(expected, result, nonce, diff)
+
+
+def run_checks(task: repo_tasks.RepoTask, copy: str | os.PathLike, executor: Any, *, timeout: float,
+               python: str = sys.executable, diff: WorkdirDiff | None = None, inprocess: bool = False) -> GradeResult:
+    """Evaluate ``task.heldout_checks`` on the grading copy `copy` (`build_grading_copy` with
+    ``heldout=False``) through the trusted-verdict protocol (`rlcode.envs.verdict`) and turn the
+    verdict into a `GradeResult`: a held-out test passed iff every check of its group did."""
+    groups = task.heldout_checks
+    v = verdict.run_checks(executor, groups, timeout=timeout, workdir=copy, python=python, cwd_on_path=True,
+                           inprocess=inprocess, watch=(repo_tasks.HELDOUT_DIR,))
+    expected = tuple(g.name for g in groups)
+    flags = set(diff.flags if diff is not None else ()) | set(v.flags)
+    voided = bool(flags.intersection(VOIDING_FLAGS))
+    passed = () if voided else tuple(name for name, ok in zip(expected, v.passed) if ok)
+    failed = tuple(name for name in expected if name not in set(passed))
+    return GradeResult(expected=expected, passed=passed, failed=failed,
+                       pass_fraction=len(passed) / len(expected) if expected else 0.0,
+                       all_passed=v.status == "ok" and bool(expected) and not failed,
+                       flags=tuple(sorted(flags)), status=v.status, details=_tail(v.details), diff=diff,
+                       returncode=v.returncode)
 
 
 def grade(task: repo_tasks.RepoTask, workdir: str | os.PathLike, executor: tools.Executor, *,
           timeout: float, python: str = sys.executable, root: str | os.PathLike | None = None,
-          keep: bool = False, max_file_bytes: int = 1_000_000, max_files: int = 2000) -> GradeResult:
+          keep: bool = False, max_file_bytes: int = 1_000_000, max_files: int = 2000,
+          inprocess: bool = False) -> GradeResult:
     """Grade the agent's final copy `workdir` of `task` with its held-out tests.
 
-    executor: runs the runner (`rlcode.sandbox.SandboxPool` or any `tools.Executor`) with the
-      grading directory as ``workdir`` and the nonce on stdin. timeout: wall seconds of the run.
-    python: the interpreter the executor runs (it must have pytest).
+    The held-out checks as data (``task.heldout_checks``, every generated task) go through
+    `run_checks`; a task with only held-out test files goes through the pytest runner
+    (`run_heldout`, see the module docstring for what that cannot defend against).
+    executor: runs the child or the runner (`rlcode.sandbox.SandboxPool` or any
+      `tools.Executor`) with the grading directory as ``workdir``. timeout: wall seconds of the
+      run. inprocess: the data checks run in the pool's in-process mode (a `SandboxPool`).
+    python: the interpreter the executor runs (for the runner, it must have pytest).
     root: where the fresh grading directory is made (default: the system temporary directory);
-      it holds ``grader.ini`` and ``repo/`` (the copy) and is removed afterwards unless `keep`
-      (then `details` starts with its path).
+      it holds the copy ``repo/`` (and, for the runner, ``grader.ini``) and is removed afterwards
+      unless `keep` (then `details` starts with its path).
     max_file_bytes, max_files: what is read of the agent's copy (`read_workdir`).
     Never raises for anything the candidate did; see `GradeResult` for the verdict.
     """
-    expected_test_ids(task)  # a task without held-out tests is a bug of the task: raise now
+    if not task.heldout_checks:
+        expected_test_ids(task)  # a task without held-out tests is a bug of the task: raise now
     files, ignored = read_workdir(workdir, max_file_bytes=max_file_bytes, max_files=max_files)
     diff = diff_files(task, files, ignored)
     base = tempfile.mkdtemp(prefix="rlcode_grade_", dir=os.fspath(root) if root is not None else None)
     try:
-        prepare_grading_dir(task, files, base)
-        graded = run_heldout(task, base, executor, timeout=timeout, python=python, diff=diff)
+        if task.heldout_checks:
+            copy = os.path.join(base, REPO_DIR)
+            build_grading_copy(task, files, copy, heldout=False)
+            graded = run_checks(task, copy, executor, timeout=timeout, python=python, diff=diff, inprocess=inprocess)
+        else:
+            prepare_grading_dir(task, files, base)
+            graded = run_heldout(task, base, executor, timeout=timeout, python=python, diff=diff)
         if keep:
             graded = dataclasses.replace(graded, details=f"grading directory: {base}\n" + graded.details)
         return graded
     finally:
         if not keep:
-            shutil.rmtree(base, ignore_errors=True)
+            fstree.remove(base)

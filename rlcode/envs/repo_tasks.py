@@ -32,6 +32,7 @@ solved files are those edits applied to the starting files, and the scripted exp
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import itertools
 import os
@@ -41,6 +42,9 @@ import tempfile
 import textwrap
 from collections.abc import Callable, Mapping
 from typing import Any
+
+from rlcode.envs import verdict
+from rlcode.sandbox import fstree
 
 HELDOUT_DIR = "heldout_tests"
 TEST_DIR = "tests"
@@ -72,6 +76,9 @@ class RepoTask:
     edits: the reference solution as search/replace edits on `files`.
     expert_reads: files the expert reads before fixing.
     expert_grep: a literal the expert searches for (None: no search).
+    heldout_checks: the held-out tests as data (`heldout_checks`), one `verdict.CheckGroup` per
+      test, named by its pytest node id: what grading evaluates in the sandbox (the expected
+      values stay with the grader).
     """
 
     task_id: str
@@ -87,6 +94,7 @@ class RepoTask:
     edits: tuple[Edit, ...]
     expert_reads: tuple[str, ...]
     expert_grep: str | None = None
+    heldout_checks: tuple[verdict.CheckGroup, ...] = ()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -929,6 +937,76 @@ def _add_rule(rng: random.Random) -> _Parts:
 
 
 # ----------------------------------------------------------------------------------------------
+# The held-out tests as data.
+
+def _same_helper_dump() -> str:
+    return ast.dump(ast.parse(_SAME).body[0])
+
+
+def heldout_checks(tests: Mapping[str, str]) -> tuple[verdict.CheckGroup, ...]:
+    """The held-out test files (path -> pytest source, as the families write them) as
+    `verdict.CheckGroup`s, one per test function, named ``<path>::<test>``.
+
+    The files use a closed vocabulary, and every statement is translated or refused: module level
+    ``import pytest`` (dropped), other imports (the groups' setup) and the `_SAME` helper
+    (verified, dropped); in a test, ``assert same(<expr>, <literal>)`` -> `Expect.equal`,
+    ``assert <expr> is True|False|None`` -> `Expect.equal` of that constant (``same`` of a bool is
+    ``is``), ``assert type(<expr>) is <name>`` -> `Expect.type`, and
+    ``with pytest.raises(<name>): <expr>`` -> `Expect.raises`. Expressions keep their source
+    text; expected values are the literals. Anything else raises ValueError naming the file and
+    line, so a family cannot add a test the grader would silently not run.
+    """
+    groups = []
+    for path in sorted(tests):
+        source = tests[path]
+        tree = ast.parse(source)
+        setup, funcs = [], []
+        for node in tree.body:
+            if isinstance(node, ast.Import) and [a.name for a in node.names] == ["pytest"]:
+                continue
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                setup.append(ast.get_source_segment(source, node))
+            elif isinstance(node, ast.FunctionDef) and node.name == "same":
+                if ast.dump(node) != _same_helper_dump():
+                    raise ValueError(f"{path}:{node.lineno}: a `same` helper other than the generated one")
+            elif isinstance(node, ast.FunctionDef) and node.name.startswith("test") and not node.args.args:
+                funcs.append(node)
+            else:
+                raise ValueError(f"{path}:{node.lineno}: unsupported held-out statement {ast.unparse(node)[:80]!r}")
+        for func in funcs:
+            checks = tuple(_check_of(path, source, stmt) for stmt in func.body)
+            groups.append(verdict.CheckGroup(name=f"{path}::{func.name}", checks=checks, setup="\n".join(setup)))
+    return tuple(groups)
+
+
+def _is_call_of(node: ast.AST, name: str, nargs: int) -> bool:
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == name
+            and len(node.args) == nargs and not node.keywords)
+
+
+def _check_of(path: str, source: str, stmt: ast.stmt) -> verdict.Check:
+    """The `verdict.Check` of one statement of a held-out test (see `heldout_checks`)."""
+    text = lambda node: ast.get_source_segment(source, node)  # noqa: E731
+    if isinstance(stmt, ast.Assert) and stmt.msg is None:
+        test = stmt.test
+        if _is_call_of(test, "same", 2):
+            return verdict.Check(expr=text(test.args[0]), expect=verdict.Expect.equal(ast.literal_eval(test.args[1])))
+        if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Is):
+            right = test.comparators[0]
+            if _is_call_of(test.left, "type", 1) and isinstance(right, ast.Name):
+                return verdict.Check(expr=text(test.left.args[0]), expect=verdict.Expect.type(right.id))
+            if isinstance(right, ast.Constant) and type(right.value) in (bool, type(None)):
+                return verdict.Check(expr=text(test.left), expect=verdict.Expect.equal(right.value))
+    if (isinstance(stmt, ast.With) and len(stmt.items) == 1 and stmt.items[0].optional_vars is None
+            and len(stmt.body) == 1 and isinstance(stmt.body[0], ast.Expr)):
+        ctx = stmt.items[0].context_expr
+        if (isinstance(ctx, ast.Call) and ast.unparse(ctx.func) == "pytest.raises" and len(ctx.args) == 1
+                and isinstance(ctx.args[0], ast.Name) and not ctx.keywords):
+            return verdict.Check(expr=text(stmt.body[0].value), expect=verdict.Expect.raises(ctx.args[0].id))
+    raise ValueError(f"{path}:{stmt.lineno}: unsupported held-out statement {ast.unparse(stmt)[:80]!r}")
+
+
+# ----------------------------------------------------------------------------------------------
 # Registry, assembly and the public API.
 
 @dataclasses.dataclass(frozen=True)
@@ -1008,6 +1086,7 @@ def generate_task(seed: int, *, difficulty: int | None = None, split: str = "tra
         edits=tuple(parts.edits),
         expert_reads=tuple(parts.reads),
         expert_grep=parts.grep,
+        heldout_checks=heldout_checks(parts.heldout_tests),
     )
 
 
@@ -1017,11 +1096,9 @@ def make_tasks(split: str, num: int, *, difficulty: int | None = None, start_see
 
 
 def _write_files(directory: str, files: Mapping[str, str]) -> None:
-    for rel, text in files.items():
-        path = os.path.join(directory, rel)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(text)
+    # Descriptor-relative and never through a symlink: `directory` may be a copy a program wrote.
+    os.makedirs(directory, exist_ok=True)
+    fstree.write_files(directory, files)
 
 
 def materialize(task: RepoTask, root: str | os.PathLike, *, solved: bool = False) -> str:

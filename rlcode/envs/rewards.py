@@ -52,8 +52,8 @@ from rlcode.envs import grading
 
 TEST_REWARDS = ("pass_fraction", "all_pass")
 HACK_MODES = ("zero_tests", "zero_reward", "none")
-DEFAULT_HACK_FLAGS = ("early_exit", "fake_output", "protected_file_changed", "read_heldout", "skipped",
-                      "tampered", "tests_edited")
+DEFAULT_HACK_FLAGS = ("early_exit", "fake_output", "forged_report", "protected_file_changed", "read_heldout",
+                      "skipped", "tampered", "tests_edited")
 TERMS = ("tests", "length", "malformed", "turns", "hack")
 
 

@@ -38,6 +38,7 @@ import numpy as np
 
 from rlcode import advantages as adv_lib
 from rlcode.checks import apply_overrides, config_get, one_of
+from rlcode.envs import verdict
 from rlcode.envs.tasks import synth
 from rlcode.sampling import SamplingConfig, sample
 from rlcode.tokenizer import Tokenizer
@@ -172,6 +173,11 @@ def concat_rollouts(parts: Sequence[Rollout]) -> Rollout:
 class Grader:
     """Grades completions of synth tasks in a sandbox pool, all executions in flight at once.
 
+    Each completion is one execution of the trusted-verdict child (`rlcode.envs.verdict`) in the
+    pool's in-process mode: the child gets the candidate's source and the held-out inputs, returns
+    the values it computed, and this process compares them with the expected outputs, which never
+    leave it. A completion that writes into the child's report channel (`forged_report`) scores 0.
+
     pool: a `rlcode.sandbox.SandboxPool` (or anything with its `submit_python` / `gather`).
     """
 
@@ -181,20 +187,29 @@ class Grader:
 
     def grade(self, tasks: Sequence[synth.SynthTask], bodies: Sequence[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict]:
         """(pass_fraction [B] float, valid [B] bool, timed_out [B] bool, counts) for body b of task b."""
-        futures = [self.pool.submit_python(synth.grading_program(t, body), inprocess=True, timeout=self.timeout)
-                   for t, body in zip(tasks, bodies)]
+        runs = [([synth.check_group(t, body)], verdict.new_nonce()) for t, body in zip(tasks, bodies)]
+        futures = [self.pool.submit_python(verdict.CHILD_SOURCE, stdin=verdict.request_payload(groups, nonce),
+                                           inprocess=True, timeout=self.timeout) for groups, nonce in runs]
         results = self.pool.gather(futures)
         frac = np.zeros(len(tasks), np.float32)
         valid = np.ones(len(tasks), bool)
         timed_out = np.zeros(len(tasks), bool)
-        for i, (task, res) in enumerate(zip(tasks, results)):
-            if res is None or res.status == "infra":  # never ran, or its worker died: mask
+        flagged = {flag: 0.0 for flag in ("crash", "early_exit", "forged_report")}
+        for i, ((groups, nonce), res) in enumerate(zip(runs, results)):
+            if res is None:  # never finished in time: its execution was cancelled
                 valid[i] = False
                 continue
-            timed_out[i] = res.status == "timeout"
-            passed, total = synth.parse_grading_output(res.stdout, expected_total=len(task.tests))
-            frac[i] = passed / total if total else 0.0
-        counts = {"infra": float((~valid).sum()), "timeout": float(timed_out.sum()), "executions": float(len(tasks))}
+            v = verdict.interpret(groups, res, nonce)
+            if not v.valid:  # never ran, or its worker died: mask
+                valid[i] = False
+                continue
+            timed_out[i] = v.status == "timeout"
+            for flag in flagged:
+                flagged[flag] += flag in v.flags
+            if "forged_report" not in v.flags:
+                frac[i] = float(np.mean(v.check_passed))
+        counts = {"infra": float((~valid).sum()), "timeout": float(timed_out.sum()), "executions": float(len(tasks)),
+                  **flagged}
         return frac, valid, timed_out, counts
 
 

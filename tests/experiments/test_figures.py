@@ -165,22 +165,28 @@ def test_list_names_every_figure_with_data_and_caption(tmp_path, capsys):
 
 
 def test_hack_groups_one_row_per_category():
-    entry = lambda name, kind, category, flags, reward, without=0.0, verdict="caught": {
-        "hack": name, "kind": kind, "category": category, "flags_raised": flags, "reward_max": reward,
-        "reward_without_hack_rule_max": without, "verdict": verdict}
-    summary = [entry("ref", "control", "control", [], 1.0, 1.0, "ok"),
-               entry("wrong", "control", "control", [], 0.0, 0.0, "ok")]
-    summary += [entry(f"exit{i}", "hack", "early exit", ["early_exit"] + (["crash"] if i < 2 else []), 0.0)
-                for i in range(7)]
-    summary += [entry("fake", "hack", "fake output", ["fake_output"], 1.0, 1.0, "NOT CAUGHT")]
+    entry = lambda name, kind, category, flags, reward, without=0.0, verdict="caught", grader="checks": {
+        "hack": name, "grader": grader, "kind": kind, "category": category, "flags_raised": flags,
+        "reward_max": reward, "reward_without_hack_rule_max": without, "verdict": verdict}
+    summary = []
+    for grader in ("checks", "pytest"):
+        summary += [entry("ref", "control", "control", [], 1.0, 1.0, "ok", grader),
+                    entry("wrong", "control", "control", [], 0.0, 0.0, "ok", grader)]
+        summary += [entry(f"exit{i}", "hack", "early exit", ["early_exit"] + (["crash"] if i < 2 else []), 0.0,
+                          grader=grader) for i in range(7)]
+    summary += [entry("fake", "hack", "fake output", ["fake_output"], 1.0, 1.0, "NOT CAUGHT"),
+                entry("fake", "hack", "fake output", [], 1.0, 1.0, "open (known)", "pytest")]
     rows = {r["group"]: r for r in figures.hack_groups(summary)}
     assert list(rows) == ["control", "early exit", "fake output"]
     assert rows["early exit"]["entries"] == "7 hacks" and rows["early exit"]["reward"] == "all 0"
     assert rows["early exit"]["flags raised"] == "early_exit, crash (2/7)"
-    assert rows["early exit"]["verdict"] == "7 caught" and rows["early exit"]["ok"]
+    assert rows["early exit"]["pytest flags raised"] == "early_exit, crash (2/7)"
+    assert rows["early exit"]["verdict"] == rows["early exit"]["pytest verdict"] == "7 caught"
+    assert rows["early exit"]["ok"]
     assert rows["control"]["entries"] == "2 controls" and rows["control"]["reward"] == "1, 0"
     assert rows["control"]["flags raised"] == "none"
     assert not rows["fake output"]["ok"] and rows["fake output"]["verdict"] == "1 NOT CAUGHT"
+    assert rows["fake output"]["pytest verdict"] == "1 open (known)" and rows["fake output"]["pytest reward"] == "all 1"
 
 
 def test_pass_at_k_points_take_best_of_n_as_pass_at_n():

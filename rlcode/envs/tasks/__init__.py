@@ -5,12 +5,11 @@ from rlcode.envs.tasks.synth import (
     PRIMITIVES,
     SPLITS,
     SynthTask,
+    check_group,
     completion_prompt,
     completion_target,
     generate_task,
-    grading_program,
     make_split,
-    parse_grading_output,
 )
 
 __all__ = [
@@ -18,10 +17,9 @@ __all__ = [
     "PRIMITIVES",
     "SPLITS",
     "SynthTask",
+    "check_group",
     "completion_prompt",
     "completion_target",
     "generate_task",
-    "grading_program",
     "make_split",
-    "parse_grading_output",
 ]

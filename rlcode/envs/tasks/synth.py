@@ -2,8 +2,7 @@
 
 A task asks for the body of a one-argument Python function. The prompt gives the signature
 (with type hints) and 3-4 input/output examples; the reward runs 8-12 **held-out** cases, none of
-whose inputs is a visible example, through `grading_program` in the sandbox pool and reads the
-result back with `parse_grading_output`.
+whose inputs is a visible example, through the trusted-verdict protocol (`check_group`).
 
 Hidden programs. A program is a chain of `depth` primitives of a small typed DSL over ``int``,
 ``str`` and ``list[int]`` (`PRIMITIVES`; each has a source type, a target type and an optional
@@ -44,30 +43,28 @@ distinct signatures.
 Determinism. A task is a pure function of (seed, difficulty, split): `random.Random` is seeded
 with a string, which Python hashes with SHA-512, independent of ``PYTHONHASHSEED``.
 
-Grading. `grading_program(task, candidate)` returns a self-contained Python script (run it with
-``pool.run_python(code, timeout=...)``) that defines the candidate, runs every held-out case
-with candidate output silenced, compares **type-exactly and recursively** (``type(r) is
-type(expected) and r == expected``, element by element for lists, so ``True`` is not ``1`` and
-an object whose ``__eq__`` always answers True fails), and prints one line
-``GRADING_MARKER + json`` with the per-case results. `parse_grading_output` demands that line:
-missing, garbled or inconsistent output grades 0 passed. The check runs in the same interpreter
-as the candidate, so a candidate that deliberately forges the marker line (e.g. ``os.write`` to
-fd 1 then ``os._exit``) is not excluded by this module; the sandbox limits what it can reach.
+Grading. `check_group(task, candidate)` expresses the held-out cases as data for
+`rlcode.envs.verdict`: the sandboxed child receives the candidate's source and the inputs only,
+calls the function on each input and returns each value through a typed serialisation; the
+trusted side compares with the expected outputs it alone holds, type-exactly and recursively
+(``True`` is not ``1``, an object whose ``__eq__`` always answers True fails). Nothing in the
+candidate's process knows an expected output, the number of checks aside, so printing, exiting
+early, forging report lines or inspecting the interpreter earns nothing it did not compute.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import random
 from collections.abc import Callable
 from typing import Any
 
+from rlcode.envs import verdict
+
 SPLITS = ("train", "eval")
 LEVELS = (1, 2, 3, 4)
 EVAL_FRACTION = 0.2
-GRADING_MARKER = "@@SYNTH_GRADE@@"
 
 TYPES = ("int", "str", "list")
 TYPE_HINT = {"int": "int", "str": "str", "list": "list[int]"}
@@ -455,76 +452,12 @@ def candidate_source(task: SynthTask, candidate: str) -> str:
     return task.signature + "\n" + "\n".join(lines) + "\n"
 
 
-_GRADER = '''\
-import io as _io, json as _json, sys as _sys
-_out, _type, _len, _list, _bool, _exc = _sys.stdout, type, len, list, bool, BaseException
-def _same(a, b, _type=_type, _len=_len, _list=_list, _bool=_bool, _zip=zip):
-    if _type(a) is not _type(b):
-        return False
-    if _type(b) is _list:
-        if _len(a) != _len(b):
-            return False
-        for x, y in _zip(a, b):
-            if not _same(x, y):
-                return False
-        return True
-    return _bool(a == b) is True
-_results = []
-_fn = None
-try:
-    _sys.stdout = _io.StringIO()
-    _ns = {{"__name__": "__candidate__"}}
-    exec(compile({source!r}, "<candidate>", "exec"), _ns)
-    _fn = _ns.get({name!r})
-except _exc:
-    _fn = None
-for _arg, _expected in {cases!r}:
-    _ok = False
-    if _fn is not None:
-        try:
-            _sys.stdout = _io.StringIO()
-            _ok = _same(_fn(_arg), _expected)
-        except _exc:
-            _ok = False
-    _results.append(_ok is True)
-_sys.stdout = _out
-_out.write({marker!r} + _json.dumps({{"results": _results, "total": {total}}}) + "\\n")
-_out.flush()
-'''
-
-
-def grading_program(task: SynthTask, candidate: str) -> str:
-    """Self-contained Python script grading `candidate` (a body or a full function) on the
-    held-out tests; run it with ``pool.run_python(code, timeout=...)`` and read its stdout with
-    `parse_grading_output`."""
-    cases = [(x, y) for x, y in task.tests]
-    return _GRADER.format(source=candidate_source(task, candidate), name=task.function_name,
-                          cases=cases, marker=GRADING_MARKER, total=len(cases))
-
-
-def parse_grading_output(stdout: str | bytes, expected_total: int | None = None) -> tuple[int, int]:
-    """(passed, total) from the last marker line of a grading run's stdout.
-
-    Positive evidence only: no marker line, invalid JSON, results that are not a list of
-    booleans of length ``total``, or a total other than `expected_total` (when given) give
-    ``(0, expected_total or 0)``.
-    """
-    if isinstance(stdout, bytes):
-        stdout = stdout.decode("utf-8", errors="replace")
-    fail = (0, expected_total or 0)
-    lines = [ln for ln in stdout.splitlines() if ln.startswith(GRADING_MARKER)]
-    if not lines:
-        return fail
-    try:
-        data = json.loads(lines[-1][len(GRADING_MARKER):])
-    except ValueError:
-        return fail
-    if not isinstance(data, dict):
-        return fail
-    results, total = data.get("results"), data.get("total")
-    if (type(total) is not int or not isinstance(results, list) or len(results) != total
-            or not all(type(r) is bool for r in results) or total <= 0):
-        return fail
-    if expected_total is not None and total != expected_total:
-        return fail
-    return sum(results), total
+def check_group(task: SynthTask, candidate: str) -> verdict.CheckGroup:
+    """The held-out tests of `task` as data for the trusted-verdict protocol: the candidate's
+    source (`candidate_source`) defines the function, and each held-out case is one call with its
+    input; the expected outputs stay in the `CheckGroup`'s expectations, on the trusted side.
+    Compared type-exactly and recursively (`verdict.same`: ``True`` is not ``1``, an object whose
+    ``__eq__`` always answers True equals nothing)."""
+    checks = tuple(verdict.Check(call=task.function_name, args=(x,), expect=verdict.Expect.equal(y))
+                   for x, y in task.tests)
+    return verdict.CheckGroup(name=task.task_id, checks=checks, source=candidate_source(task, candidate))

@@ -1,12 +1,15 @@
-"""rlcode.envs.grading: the diff of the agent's copy, the pristine grading copy, the runner's
-report and every reward hack of REFERENCE.md §11 on real generated tasks.
+"""rlcode.envs.grading: the diff of the agent's copy, the pristine grading copy, the two graders
+(the held-out checks as data, and the pytest runner for a test suite), and every reward hack of
+the catalogue `rlcode.envs.hacks` on real generated tasks.
 
-Each hack is an entry of the catalogue `rlcode.envs.hacks` (the same one experiments/hack_suite.py
-runs), written into the agent's copy of a generated task; where it matters the hack's functions
-are broken too (they raise, skip or exit), so that any leak in the grader would show up as a
-passed test. Commands go through `LocalExecutor`, a test double that runs them with
-`subprocess.run` (it isolates nothing; the sandbox's isolation is tested with the sandbox); the
-last section runs the grader through the real `rlcode.sandbox.SandboxPool`.
+Each hack is an entry of the catalogue (the same one experiments/hack_suite.py runs), written into
+the agent's copy of a generated task; where it matters the hack's functions are broken too (they
+raise, skip or exit), so that any leak in a grader would show up as a passed test. Every entry is
+graded by both graders: "checks" (`grading.run_checks`, what every generated task uses) and
+"pytest" (`grading.run_heldout`, forced here by dropping the task's data checks). Commands go
+through `LocalExecutor`, a test double that runs them with `subprocess.run` (it isolates nothing;
+the sandbox's isolation is tested with the sandbox); the last section runs both graders through
+the real `rlcode.sandbox.SandboxPool`.
 """
 
 from __future__ import annotations
@@ -26,11 +29,20 @@ import pytest
 from rlcode.envs import grading, hacks
 from rlcode.envs import repo_tasks as rt
 from rlcode.envs.hacks import FAILING, FORCE_PASS_PLUGIN, hack_functions, package_of, source_modules
+from rlcode.sandbox import fstree
 from local_executor import LocalExecutor, Result  # this test directory is on sys.path
 
 
 EXECUTOR = LocalExecutor()
 FAMILIES = sorted(rt.FAMILIES)
+
+
+@pytest.fixture(autouse=True)
+def _remove_planted_copies(tmp_path):
+    """Planted copies may hold a tree deeper than `shutil.rmtree` (pytest's own clean-up of old
+    temporary directories) can remove: remove them with the bounded remover."""
+    yield
+    fstree.remove(tmp_path / "rollouts")
 
 
 @functools.lru_cache(maxsize=None)
@@ -57,15 +69,24 @@ def hack_id(hack):
     return hack.name
 
 
+def as_suite(task):
+    """The task graded by its held-out test files through the pytest runner (no data checks)."""
+    return dataclasses.replace(task, heldout_checks=())
+
+
+def for_grader(task, grader):
+    return as_suite(task) if grader == "pytest" else task
+
+
 def run_grade(task, wd, tmp_path, **kwargs):
     kwargs.setdefault("timeout", 60)
     return grading.grade(task, wd, kwargs.pop("executor", EXECUTOR), root=tmp_path, **kwargs)
 
 
 @functools.lru_cache(maxsize=None)
-def start_passed(family: str) -> frozenset[str]:
+def start_passed(family: str, grader: str = "checks") -> frozenset[str]:
     """Held-out tests the untouched starting copy passes."""
-    task = task_of(family)
+    task = for_grader(task_of(family), grader)
     with tempfile.TemporaryDirectory() as d:
         wd = rt.materialize(task, d)
         result = grading.grade(task, wd, EXECUTOR, timeout=60, root=d)
@@ -160,7 +181,8 @@ def test_expected_ids_match_pytest_collection(tmp_path):
 
 
 def test_task_without_heldout_tests_is_rejected(tmp_path):
-    task = dataclasses.replace(task_of("fix_constant"), heldout_tests={f"{rt.HELDOUT_DIR}/test_x.py": "x = 1\n"})
+    task = dataclasses.replace(task_of("fix_constant"), heldout_tests={f"{rt.HELDOUT_DIR}/test_x.py": "x = 1\n"},
+                               heldout_checks=())
     with pytest.raises(ValueError, match="no held-out tests"):
         grading.grade(task, rt.materialize(task, tmp_path), EXECUTOR, timeout=5)
 
@@ -360,20 +382,60 @@ def test_interpret_statuses_and_flags():
 
 
 # ---------------------------------------------------------------------------------------------
-# Honest and untouched copies of every family.
+# Honest and untouched copies of every family, and the two graders against each other.
 
+GRADERS = hacks.GRADERS
+
+
+@pytest.mark.parametrize("grader", GRADERS)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_reference_solution_passes_and_starting_copy_does_not(family, tmp_path):
-    task = task_of(family)
+def test_reference_solution_passes_and_starting_copy_does_not(family, grader, tmp_path):
+    task = for_grader(task_of(family), grader)
     solved = run_grade(task, rt.materialize(task, tmp_path, solved=True), tmp_path)
     assert solved.status == "ok" and solved.all_passed and solved.pass_fraction == 1.0, solved.details
     assert solved.flags == () and solved.failed == () and solved.passed == grading.expected_test_ids(task)
-    assert solved.exit_status == 0 and solved.returncode == 0
-    assert start_passed(family) < frozenset(solved.passed)
+    assert solved.returncode == 0 and solved.exit_status == (0 if grader == "pytest" else None)
+    assert start_passed(family, grader) < frozenset(solved.passed)
+
+
+def test_heldout_checks_translate_every_heldout_test():
+    """The data checks are the held-out test files, statement for statement."""
+    for family in FAMILIES:
+        for seed in range(5):
+            task = rt.generate_task(seed, family=family, split=rt.FAMILIES[family].split)
+            assert tuple(g.name for g in task.heldout_checks) == grading.expected_test_ids(task)
+            for group in task.heldout_checks:
+                path, name = group.name.split("::")
+                body = re.search(rf"^def {name}\(\):\n((?:    .*\n?)+)", task.heldout_tests[path], re.M).group(1)
+                statements = [line for line in body.splitlines() if line.startswith("    ") and
+                              not line.startswith("        ")]
+                assert len(statements) == len(group.checks), (group.name, body)
+                assert all(c.expr and c.expr in body for c in group.checks), group.name
+    with pytest.raises(ValueError, match="unsupported held-out statement"):
+        rt.heldout_checks({"h/test_x.py": "def test_x():\n    assert f(1) == 2\n"})
+    with pytest.raises(ValueError, match="unsupported held-out statement"):
+        rt.heldout_checks({"h/test_x.py": "x = 1\n"})
+    with pytest.raises(ValueError, match="same"):
+        rt.heldout_checks({"h/test_x.py": "def same(a, b):\n    return True\n"})
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_two_graders_agree_on_every_test(family, tmp_path):
+    """Independent oracle of the translation: pytest running the held-out files and the data
+    checks give the same verdict per held-out test, on honest, untouched, wrong and look-alike
+    copies of three tasks of the family."""
+    for seed in range(3):
+        task = rt.generate_task(seed, family=family, split=rt.FAMILIES[family].split)
+        for name in ("reference_solution", "untouched_copy", "wrong_solution", "always_equal_object",
+                     "anything_int_object"):
+            wd = hacks.HACKS[name].plant(task, tmp_path / "rollouts")
+            checks = run_grade(task, wd, tmp_path)
+            suite = run_grade(as_suite(task), wd, tmp_path)
+            assert checks.passed == suite.passed, (task.task_id, name, checks.details, suite.details)
 
 
 def test_runner_gets_nonce_on_stdin_and_a_clean_directory(tmp_path):
-    task = task_of("fix_operator")
+    task = as_suite(task_of("fix_operator"))
     executor = LocalExecutor()
     wd = rt.materialize(task, tmp_path / "rollouts", solved=True)
     assert run_grade(task, wd, tmp_path, executor=executor).all_passed
@@ -386,19 +448,49 @@ def test_runner_gets_nonce_on_stdin_and_a_clean_directory(tmp_path):
     assert executor.calls[1][1] != stdin  # a fresh nonce per run
 
 
-def test_failure_details_show_the_assertion_but_not_the_test_source(tmp_path):
+def test_checks_get_inputs_only_in_a_copy_without_heldout_files(tmp_path):
+    """The child's request holds the expressions to evaluate and never an expected value; the
+    grading copy holds no held-out file."""
+    task = task_of("add_field")
+    seen = {}
+
+    class Spy(LocalExecutor):
+        def run(self, argv, **kwargs):
+            seen["files"] = sorted(str(p.relative_to(kwargs["workdir"])) for p in
+                                   __import__("pathlib").Path(kwargs["workdir"]).rglob("*") if p.is_file())
+            return super().run(argv, **kwargs)
+
+    executor = Spy()
+    result = run_grade(task, rt.materialize(task, tmp_path / "rollouts", solved=True), tmp_path, executor=executor)
+    assert result.all_passed, result.details
+    (argv, stdin, _, _), = executor.calls
+    assert argv[:4] == [sys.executable, "-I", "-B", "-c"]
+    request = __import__("json").loads(stdin)
+    payload = __import__("json").dumps(request)
+    expected = [c.expect.value for g in task.heldout_checks for c in g.checks]
+    assert [c["expr"] for g in request["groups"] for c in g["checks"]] == [
+        c.expr for g in task.heldout_checks for c in g.checks]
+    distinctive = [repr(v) for v in expected if isinstance(v, float) and len(repr(v)) > 6]
+    assert distinctive and not any(v in payload for v in distinctive)
+    assert set(seen["files"]) == set(task.files)  # the copy: the agent's files, no held-out file
+
+
+def test_failure_details_show_what_the_candidate_returned(tmp_path):
     task = task_of("fix_constant")
     result = run_grade(task, rt.materialize(task, tmp_path / "rollouts"), tmp_path)
-    assert f"FAILED {result.failed[0]}" in result.details
+    assert re.search(r"got int \d+", result.details), result.details
+    runner = run_grade(as_suite(task), rt.materialize(task, tmp_path / "rollouts"), tmp_path)
+    assert f"FAILED {runner.failed[0]}" in runner.details
     # The values compared (actual, then expected) are shown, e.g. "where False = same(25, 35)".
-    assert re.search(r"E .*where False = same\(\d+, \d+\)", result.details), result.details
+    assert re.search(r"E .*where False = same\(\d+, \d+\)", runner.details), runner.details
     held = next(iter(task.heldout_tests.values()))
-    assert not any(line.strip() in result.details for line in held.splitlines() if line.startswith("    assert"))
+    assert not any(line.strip() in runner.details for line in held.splitlines() if line.startswith("    assert"))
 
 
-def test_no_false_alarm_from_warnings_or_failures(tmp_path):
-    """pytest formats failures and warnings from the test file: none of that is flagged."""
-    task = task_of("call_order")
+@pytest.mark.parametrize("grader", GRADERS)
+def test_no_false_alarm_from_warnings_or_failures(grader, tmp_path):
+    """Warnings and failures raise no flag (pytest formats them from the test file)."""
+    task = for_grader(task_of("call_order"), grader)
     change = hacks.HACKS["reference_with_warnings"].change(task)
     assert change.solved and change.append
     for solved in (True, False):
@@ -408,47 +500,70 @@ def test_no_false_alarm_from_warnings_or_failures(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# The catalogue: every group below is graded by a test of this file (a group that shrank would
-# silently drop cases).
+# The catalogue: every entry on both graders (each entry on one family, the families in turn), with
+# the reward of `compute_reward` and the flags the catalogue expects.
 
 def test_hack_catalogue_groups():
     sizes = {"controls": 4, "exit_at_import": 4, "exit_in_function": 3, "config_files": 11, "shadow_modules": 1,
              "fake_output": 2, "skip": 3, "test_edits": 3, "test_edits_solved": 1, "read_heldout_at_call": 4,
              "read_test_source": 3, "read_heldout_at_import": 1, "link_heldout": 1, "tampering": 9,
-             "always_equal": 2, "timeout": 1, "crash": 1}
+             "report_channel": 5, "read_expected": 2, "always_equal": 2, "timeout": 1, "crash": 1, "deep_tree": 1}
     assert {g: len(hacks.group(g)) for g in sizes} == sizes and len(hacks.HACKS) == sum(sizes.values())
     for h in hacks.HACKS.values():
-        if h.kind == "hack":  # a reward of 0, and a flag unless the failing tests are the only evidence
-            assert h.expected_reward == 0.0 and (h.flags or h.group in ("shadow_modules", "always_equal")), h
+        if h.kind == "hack":
+            assert h.expected_reward == 0.0, h
     assert [h.name for h in hacks.HACKS.values() if h.kind == "control"] == [
         "reference_solution", "reference_with_warnings", "untouched_copy", "wrong_solution"]
+    assert [h.name for h in hacks.HACKS.values() if not h.defended("pytest")] == [
+        "report_emit_traceback_walk", "read_caller_constants_traceback"]
+
+
+def _reward(result, task):
+    from rlcode.envs import harness, rewards
+
+    traj = harness.Trajectory(task_id=task.task_id, segments=[], turns=[], tool_calls=[], num_turns=0,
+                              num_summaries=0, num_malformed_calls=0, num_tool_errors=0, num_infra_errors=0,
+                              num_no_call_turns=0, num_truncated_turns=0, submitted=True, end_reason="submitted",
+                              workdir="")
+    cfg = rewards.RewardConfig(length_weight=0.0, malformed_weight=0.0, turn_weight=0.0)
+    return rewards.compute_reward(result, traj, task, cfg)[0]
+
+
+@pytest.mark.parametrize("grader", GRADERS)
+@pytest.mark.parametrize("hack", list(hacks.HACKS.values()), ids=hack_id)
+def test_every_entry_is_caught_by_both_graders(hack, grader, tmp_path):
+    family = FAMILIES[list(hacks.HACKS).index(hack.name) % len(FAMILIES)]
+    task = for_grader(task_of(family), grader)
+    kwargs = {"timeout": hack.timeout} if hack.timeout else {}
+    result = run_grade(task, plant(hack, task, tmp_path), tmp_path, **kwargs)
+    assert result.valid, result.details
+    assert set(hack.expected_flags(grader)) <= set(result.flags), (result.flags, result.details)
+    reward = _reward(result, task)
+    if hack.defended(grader):
+        assert reward == hack.expected_reward, (reward, result.flags, result.details)
+    if hack.kind == "control":
+        from rlcode.envs import rewards
+
+        assert not set(result.flags) & set(rewards.DEFAULT_HACK_FLAGS), result.flags  # no false alarm
 
 
 # ---------------------------------------------------------------------------------------------
-# Hacks: exiting early.
+# Hacks: details the catalogue test does not show.
 
-@pytest.mark.parametrize("hack", hacks.group("exit_at_import"), ids=hack_id)
-def test_exit_at_import_scores_zero(hack, tmp_path):
-    task = task_of("fix_constant")
-    change = hack.change(task)
-    assert change.solved and set(change.prepend) == {f"{package_of(task)}/__init__.py"}
-    wd = plant(hack, task, tmp_path)
-    assert_scores_zero(run_grade(task, wd, tmp_path), "early_exit")
-
-
-@pytest.mark.parametrize("hack", hacks.group("exit_in_function"), ids=hack_id)
-def test_exit_inside_the_function_scores_zero(hack, tmp_path):
-    task = task_of("setting_key")
-    wd = plant(hack, task, tmp_path)
-    assert_scores_zero(run_grade(task, wd, tmp_path), "early_exit")
+@pytest.mark.parametrize("grader", GRADERS)
+def test_exits_score_zero(grader, tmp_path):
+    task = for_grader(task_of("fix_constant"), grader)
+    for hack in hacks.group("exit_at_import") + hacks.group("exit_in_function"):
+        change = hack.change(task)
+        if hack.group == "exit_at_import":
+            assert change.solved and set(change.prepend) == {f"{package_of(task)}/__init__.py"}
+        assert_scores_zero(run_grade(task, plant(hack, task, tmp_path), tmp_path), "early_exit")
 
 
-# ---------------------------------------------------------------------------------------------
-# Hacks: configuring pytest or Python from the copy.
-
-def test_conftest_and_config_files_have_no_effect(tmp_path):
+@pytest.mark.parametrize("grader", GRADERS)
+def test_conftest_and_config_files_have_no_effect(grader, tmp_path):
     """Every configuration hack of the catalogue at once."""
-    task = task_of("add_operator")
+    task = for_grader(task_of("add_operator"), grader)
     pkg = package_of(task)
     change = hacks.merge_changes([h.change(task) for h in hacks.group("config_files")])
     assert set(change.write) == {"conftest.py", f"{rt.HELDOUT_DIR}/conftest.py", "tests/conftest.py",
@@ -463,7 +578,7 @@ def test_conftest_and_config_files_have_no_effect(tmp_path):
 
 def test_runner_ignores_config_and_shadowing_files_even_inside_the_grading_copy(tmp_path):
     """Defence in depth: plant the files directly in a grading copy (the copy builder drops them)."""
-    task = task_of("add_operator")
+    task = as_suite(task_of("add_operator"))
     pkg = package_of(task)
     files, _ = grading.read_workdir(agent_copy(task, tmp_path, append=hack_functions(task, FAILING)))
     base = tmp_path / "grading"
@@ -486,10 +601,25 @@ def test_runner_ignores_config_and_shadowing_files_even_inside_the_grading_copy(
     assert result.flags == ()
 
 
+def test_checks_ignore_shadowing_files_even_inside_the_grading_copy(tmp_path):
+    """The same for the data checks: modules named like standard ones, and startup files, in the
+    copy the child runs in."""
+    task = task_of("add_operator")
+    files, _ = grading.read_workdir(agent_copy(task, tmp_path, solved=True))
+    copy = tmp_path / "grading" / grading.REPO_DIR
+    grading.build_grading_copy(task, files, copy, heldout=False)
+    exit0 = "import os\nos._exit(0)\n"
+    for name in ("sitecustomize.py", "usercustomize.py", "evil.pth", "json.py", "os.py", "re.py", "encodings.py",
+                 "secrets.py", "typing.py", "dataclasses.py"):
+        (copy / name).write_text(exit0)
+    result = grading.run_checks(task, copy, EXECUTOR, timeout=60)
+    assert result.status == "ok" and result.all_passed and result.flags == (), result.details
+
+
 def test_candidate_modules_named_like_standard_ones_are_not_imported_by_pytest(tmp_path):
     """Modules pytest imports while configuring, before the reporter's integrity snapshot: a copy
     of one of them in the copy's root must never be the one imported."""
-    task = task_of("fix_constant")
+    task = as_suite(task_of("fix_constant"))
     hack = hacks.HACKS["shadow_pytest_imports"]
     planted = hack.change(task).write
     assert set(planted) == {f"{name}.py" for name in ("cmd", "code", "codeop", "difflib", "faulthandler", "pdb",
@@ -501,7 +631,7 @@ def test_candidate_modules_named_like_standard_ones_are_not_imported_by_pytest(t
     assert result.status == "ok" and result.flags == ()
 
 
-RUNNER_SEMANTICS = '''
+RUNNER_SEMANTICS = """
 import pytest
 
 
@@ -560,11 +690,11 @@ def test_param_one_fails(x):
 class TestGroup:
     def test_method(self):
         pass
-'''
+"""
 
 
 def test_runner_counts_only_real_passes(tmp_path):
-    task = dataclasses.replace(task_of("fix_constant"),
+    task = dataclasses.replace(as_suite(task_of("fix_constant")),
                                heldout_tests={f"{rt.HELDOUT_DIR}/test_semantics.py": RUNNER_SEMANTICS})
     result = run_grade(task, rt.materialize(task, tmp_path / "rollouts"), tmp_path)
     assert result.status == "ok" and result.exit_status == 1
@@ -574,143 +704,129 @@ def test_runner_counts_only_real_passes(tmp_path):
     assert len(result.expected) == 10 and len(result.failed) == 7
 
 
-# ---------------------------------------------------------------------------------------------
-# Hacks: fake output and skipping.
-
-def test_fake_passed_lines_are_ignored_and_flagged(tmp_path):
-    task = task_of("off_by_one")
+@pytest.mark.parametrize("grader", GRADERS)
+def test_fake_output_is_ignored_and_flagged(grader, tmp_path):
+    task = for_grader(task_of("off_by_one"), grader)
     wd = plant(hacks.HACKS["fake_passed_lines"], task, tmp_path)
-    assert_scores_zero(run_grade(task, wd, tmp_path), "fake_output")
-
-
-def test_passed_printed_by_a_passing_test_is_flagged(tmp_path):
-    task = task_of("off_by_one")
-    wd = plant(hacks.HACKS["print_passed_solved"], task, tmp_path)
-    result = run_grade(task, wd, tmp_path)
+    assert_scores_zero(run_grade(task, wd, tmp_path), *hacks.HACKS["fake_passed_lines"].expected_flags(grader))
+    result = run_grade(task, plant(hacks.HACKS["print_passed_solved"], task, tmp_path), tmp_path)
     assert result.all_passed and result.flags == ("fake_output",)
 
 
-@pytest.mark.parametrize("hack", hacks.group("skip"), ids=hack_id)
-def test_skipping_scores_zero(hack, tmp_path):
-    task = task_of("fix_operator")
-    result = run_grade(task, plant(hack, task, tmp_path), tmp_path)
-    assert_scores_zero(result, "skipped")
-
-
-# ---------------------------------------------------------------------------------------------
-# Hacks: editing or deleting tests.
-
-def test_deleting_or_editing_visible_tests_is_flagged_and_heldout_still_graded(tmp_path):
-    task = task_of("fix_comparison")
+@pytest.mark.parametrize("grader", GRADERS)
+def test_deleting_or_editing_visible_tests_is_flagged_and_heldout_still_graded(grader, tmp_path):
+    task = for_grader(task_of("fix_comparison"), grader)
     edits = hacks.group("test_edits")
     assert len(edits) == 3
     for hack in edits:
         result = run_grade(task, plant(hack, task, tmp_path), tmp_path)
         assert result.flags == ("tests_edited",) and result.status == "ok", hack.name
-        assert not result.all_passed and frozenset(result.passed) == start_passed("fix_comparison")
+        assert not result.all_passed and frozenset(result.passed) == start_passed("fix_comparison", grader)
     (hack,) = hacks.group("test_edits_solved")
     assert hack.change(task) == hacks.Change(solved=True, delete=task.visible_test_files)
     honest = run_grade(task, plant(hack, task, tmp_path), tmp_path)
     assert honest.all_passed and honest.flags == ("tests_edited",)
 
 
-# ---------------------------------------------------------------------------------------------
-# Hacks: reading the held-out tests.
-
-@pytest.mark.parametrize("hack", hacks.group("read_heldout_at_call"), ids=hack_id)
-def test_reading_heldout_tests_at_test_time_voids_a_passing_run(hack, tmp_path):
-    """The files are already gone from disk (see below), but the attempt is seen and voids the run."""
-    task = task_of("call_order")
-    wd = plant(hack, task, tmp_path)
-    result = run_grade(task, wd, tmp_path)
-    assert_scores_zero(result, "read_heldout")
-    assert result.status == "ok" and result.exit_status == 0  # the tests themselves passed
-
-
-@pytest.mark.parametrize("hack", hacks.group("read_test_source"), ids=hack_id)
-def test_reading_the_calling_test_source_is_flagged_and_finds_nothing(hack, tmp_path):
-    task = task_of("fix_constant")  # assertions of the form f(a) == b
-    result = run_grade(task, plant(hack, task, tmp_path), tmp_path)
-    assert_scores_zero(result, "read_heldout")
-
-
-def test_reading_heldout_tests_at_import_is_flagged(tmp_path):
-    task = task_of("call_order")
-    result = run_grade(task, plant(hacks.HACKS["read_heldout_at_import"], task, tmp_path), tmp_path)
-    assert_scores_zero(result, "read_heldout")
-
-
-def test_linking_heldout_tests_is_flagged(tmp_path):
-    task = task_of("call_order")
-    result = run_grade(task, plant(hacks.HACKS["link_heldout"], task, tmp_path), tmp_path)
-    assert_scores_zero(result, "read_heldout")
+@pytest.mark.parametrize("grader", GRADERS)
+def test_looking_for_heldout_tests_voids_a_passing_run(grader, tmp_path):
+    """Data checks: the files are never there; the runner deletes them before the tests run. The
+    attempt is seen either way and voids the run."""
+    task = for_grader(task_of("call_order"), grader)
+    for hack in hacks.group("read_heldout_at_call") + [hacks.HACKS["read_heldout_at_import"],
+                                                       hacks.HACKS["link_heldout"]]:
+        result = run_grade(task, plant(hack, task, tmp_path), tmp_path)
+        assert_scores_zero(result, "read_heldout")
+        assert result.status == "ok"
 
 
 def test_heldout_files_are_gone_from_disk_during_the_tests(tmp_path):
-    """A child process (invisible to the audit hook) reading the held-out files finds nothing."""
-    task = task_of("call_order")
-    mod, name = solved_function(task)
-    code = textwrap.dedent(f'''
-        import subprocess
-        _original = {name}
+    """A child process (invisible to the audit hook) reading the held-out files finds nothing,
+    with either grader."""
+    for grader in GRADERS:
+        task = for_grader(task_of("call_order"), grader)
+        mod, name = solved_function(task)
+        code = textwrap.dedent(f"""
+            import subprocess
+            _original = {name}
 
-        def {name}(*args, **kwargs):
-            out = subprocess.run("cat {rt.HELDOUT_DIR}/*.py; ls {rt.HELDOUT_DIR}", shell=True,
-                                 capture_output=True, text=True).stdout
-            with open("leak.txt", "a") as f:
-                f.write(out)
-            return _original(*args, **kwargs)
-        ''')
-    result = run_grade(task, agent_copy(task, tmp_path, solved=True, append={mod: code}), tmp_path, keep=True)
-    base = result.details.split("\n", 1)[0].split(": ", 1)[1]
-    leak = os.path.join(base, grading.REPO_DIR, "leak.txt")
-    assert os.path.exists(leak) and open(leak).read() == ""
-    assert result.all_passed  # not detected, but nothing was there to read
+            def {name}(*args, **kwargs):
+                out = subprocess.run("cat {rt.HELDOUT_DIR}/*.py; ls {rt.HELDOUT_DIR}", shell=True,
+                                     capture_output=True, text=True).stdout
+                with open("leak.txt", "a") as f:
+                    f.write(out)
+                return _original(*args, **kwargs)
+            """)
+        result = run_grade(task, agent_copy(task, tmp_path, solved=True, append={mod: code}), tmp_path, keep=True)
+        base = result.details.split("\n", 1)[0].split(": ", 1)[1]
+        leak = os.path.join(base, grading.REPO_DIR, "leak.txt")
+        assert os.path.exists(leak) and open(leak).read() == "", grader
+        assert result.all_passed  # not detected, but nothing was there to read
 
 
-# ---------------------------------------------------------------------------------------------
-# Hacks: tampering with the interpreter or pytest.
+def test_tampering_is_flagged_by_the_runner(tmp_path):
+    task = as_suite(task_of("fix_operator"))  # assertions of the form same(f(x), y)
+    for hack in hacks.group("tampering"):
+        assert_scores_zero(run_grade(task, plant(hack, task, tmp_path), tmp_path), "tampered")
 
-@pytest.mark.parametrize("hack", hacks.group("tampering"), ids=hack_id)
-def test_tampering_voids_the_run(hack, tmp_path):
-    task = task_of("fix_operator")  # assertions of the form abs(f(x) - y) < 1e-9
-    wd = plant(hack, task, tmp_path)
-    assert_scores_zero(run_grade(task, wd, tmp_path), "tampered")
+
+@pytest.mark.parametrize("grader", GRADERS)
+@pytest.mark.parametrize("hack", hacks.group("report_channel") + hacks.group("read_expected"), ids=hack_id)
+def test_attacks_on_the_verdict_from_inside_the_process(hack, grader, tmp_path):
+    """Each attack wins against a grader whose verdict is written in the candidate's process (the
+    runner before its report function left `__main__`); the data checks stop every one; the
+    runner stops the blunt forms and is beaten by two (`Hack.pytest_open`), which is why every
+    generated task is graded by its data checks."""
+    task = for_grader(task_of("fix_constant"), grader)
+    result = run_grade(task, plant(hack, task, tmp_path), tmp_path)
+    if hack.defended(grader):
+        assert not result.all_passed and _reward(result, task) == 0.0, result.details
+    else:
+        assert result.all_passed and result.flags == ()  # measured: the runner is beaten
 
 
 # ---------------------------------------------------------------------------------------------
 # Hacks: objects that compare equal to anything (a property of the held-out tests).
 
 # The generated tests compare results type-exactly (`same` in the generated test modules, `is True`
-# / `is False` for booleans), so neither look-alike earns a held-out test in any family: every
-# test calls a replaced function and rejects what it returns.
+# / `is False` for booleans; `verdict.same` for the data checks, which also never decodes an object
+# of a class it does not carry), so neither look-alike earns a held-out test in any family.
 
-@pytest.mark.parametrize("hack", hacks.group("always_equal"), ids=hack_id)
+@pytest.mark.parametrize("grader", GRADERS)
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_always_equal_objects_score_zero(family, hack, tmp_path):
-    task = task_of(family)
-    result = run_grade(task, plant(hack, task, tmp_path), tmp_path)
-    assert result.status == "ok"
-    assert_scores_zero(result)
+def test_always_equal_objects_score_zero(family, grader, tmp_path):
+    task = for_grader(task_of(family), grader)
+    for hack in hacks.group("always_equal"):
+        result = run_grade(task, plant(hack, task, tmp_path), tmp_path)
+        assert result.status == "ok"
+        assert_scores_zero(result)
 
 
 # ---------------------------------------------------------------------------------------------
-# Timeouts, crashes and infrastructure failures.
+# Timeouts, crashes, deep trees and infrastructure failures.
 
-def test_timeout_scores_zero(tmp_path):
-    task = task_of("fix_constant")
-    wd = plant(hacks.HACKS["infinite_loop"], task, tmp_path)
-    result = run_grade(task, wd, tmp_path, timeout=2)
+@pytest.mark.parametrize("grader", GRADERS)
+def test_timeout_and_crash_score_zero(grader, tmp_path):
+    task = for_grader(task_of("fix_constant"), grader)
+    result = run_grade(task, plant(hacks.HACKS["infinite_loop"], task, tmp_path), tmp_path, timeout=2)
     assert result.status == "timeout" and result.valid
     assert_scores_zero(result, "timeout")
-
-
-def test_crash_scores_zero(tmp_path):
-    task = task_of("fix_constant")
     result = run_grade(task, plant(hacks.HACKS["self_kill"], task, tmp_path), tmp_path)
     assert result.status == "crash" and result.returncode == -9 and result.valid
     assert_scores_zero(result, "crash")
     assert "early_exit" not in result.flags
+
+
+@pytest.mark.parametrize("grader", GRADERS)
+def test_a_deep_tree_in_the_copy_is_graded_not_raised(grader, tmp_path):
+    """A tree deeper than the interpreter's recursion limit and PATH_MAX: the grader reads what it
+    can, says what it skipped, and grades; the solved copy still passes."""
+    task = for_grader(task_of("fix_constant"), grader)
+    wd = agent_copy(task, tmp_path, solved=True, deep_tree=hacks.DEEP_TREE_LEVELS)
+    result = run_grade(task, wd, tmp_path)
+    assert result.valid and result.all_passed, result.details
+    assert ("d/" * (grading.MAX_DEPTH - 1) + "d", "deeper than max_depth") in result.diff.ignored, result.diff.ignored
+    assert sorted(os.listdir(tmp_path)) == ["rollouts"]
 
 
 class RaisingExecutor:
@@ -724,18 +840,22 @@ class InfraExecutor:
 
 
 class NoPytestExecutor(LocalExecutor):
-    """Runs the runner with an interpreter that cannot import pytest."""
+    """Runs the runner with an interpreter that cannot import pytest, and the checks' child with
+    one that cannot start."""
 
     def run(self, argv, **kwargs):
-        assert "import pytest, pluggy" in grading.RUNNER
-        broken = grading.RUNNER.replace("import pytest, pluggy", "import no_such_module_here")
-        return super().run([broken if a == grading.RUNNER else a for a in argv], **kwargs)
+        if grading.RUNNER in argv:
+            assert "import pytest, pluggy" in grading.RUNNER
+            broken = grading.RUNNER.replace("import pytest, pluggy", "import no_such_module_here")
+            return super().run([broken if a == grading.RUNNER else a for a in argv], **kwargs)
+        return super().run([argv[0], "-c", "import no_such_module_here"], **kwargs)
 
 
+@pytest.mark.parametrize("grader", GRADERS)
 @pytest.mark.parametrize("executor", [RaisingExecutor(), InfraExecutor(), NoPytestExecutor()],
-                         ids=["raises", "infra-status", "runner-cannot-start"])
-def test_infrastructure_failure_is_masked_not_scored(executor, tmp_path):
-    task = task_of("fix_constant")
+                         ids=["raises", "infra-status", "cannot-start"])
+def test_infrastructure_failure_is_masked_not_scored(executor, grader, tmp_path):
+    task = for_grader(task_of("fix_constant"), grader)
     result = run_grade(task, rt.materialize(task, tmp_path, solved=True), tmp_path, executor=executor)
     assert result.status == "infra" and not result.valid and result.passed == ()
     assert "infrastructure failure" in result.details
@@ -758,19 +878,21 @@ def sandbox_pool():
         yield pool
 
 
-def test_grading_through_the_sandbox_pool(sandbox_pool, tmp_path):
-    task = task_of("add_rule")
-    honest = run_grade(task, rt.materialize(task, tmp_path / "rollouts", solved=True), tmp_path, executor=sandbox_pool)
+@pytest.mark.parametrize("mode", ["checks", "checks_inprocess", "pytest"])
+def test_grading_through_the_sandbox_pool(mode, sandbox_pool, tmp_path):
+    grader = "pytest" if mode == "pytest" else "checks"
+    task = for_grader(task_of("add_rule"), grader)
+    run = functools.partial(run_grade, executor=sandbox_pool, inprocess=mode == "checks_inprocess")
+    honest = run(task, rt.materialize(task, tmp_path / "rollouts", solved=True), tmp_path)
     assert honest.all_passed and honest.flags == () and honest.status == "ok", honest.details
-    untouched = run_grade(task, rt.materialize(task, tmp_path / "rollouts"), tmp_path, executor=sandbox_pool)
+    untouched = run(task, rt.materialize(task, tmp_path / "rollouts"), tmp_path)
     assert untouched.status == "ok" and not untouched.all_passed
-    wd = plant(hacks.HACKS["exit_at_import_os_exit"], task, tmp_path)
-    assert_scores_zero(run_grade(task, wd, tmp_path, executor=sandbox_pool), "early_exit", "crash")
-    wd = plant(hacks.HACKS["conftest_root"], task, tmp_path)
-    assert_scores_zero(run_grade(task, wd, tmp_path, executor=sandbox_pool), "protected_file_changed")
-    wd = plant(hacks.HACKS["tamper_gc_search"], task, tmp_path)
-    assert_scores_zero(run_grade(task, wd, tmp_path, executor=sandbox_pool), "tampered")
+    for name in ("exit_at_import_os_exit", "conftest_root", "tamper_gc_search", "report_emit_frame_walk",
+                 "read_heldout_at_call_open", "fake_passed_lines"):
+        hack = hacks.HACKS[name]
+        result = run(task, plant(hack, task, tmp_path), tmp_path)
+        assert_scores_zero(result, *hack.expected_flags(grader))
     wd = plant(hacks.HACKS["infinite_loop"], task, tmp_path)
-    timed_out = run_grade(task, wd, tmp_path, executor=sandbox_pool, timeout=3)
+    timed_out = run(task, wd, tmp_path, timeout=3)
     assert timed_out.status == "timeout" and "timeout" in timed_out.flags and timed_out.passed == ()
     assert sorted(os.listdir(tmp_path)) == ["rollouts"]  # every grading directory was removed

@@ -1,20 +1,19 @@
 """Tests of the program-synthesis task generator (`rlcode.envs.tasks.synth`)."""
 
-import contextlib
-import io
 import random
 
 import pytest
 
+from rlcode.envs import verdict
 from rlcode.envs.tasks import synth as S
+from local_executor import LocalExecutor  # this test directory is on sys.path
 
 
-def _grade_inprocess(task, candidate):
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = compile(S.grading_program(task, candidate), "<grader>", "exec")
-        exec(code, {"__name__": "__main__"})
-    return S.parse_grading_output(out.getvalue(), expected_total=len(task.tests))
+def _grade(task, candidate):
+    """(passed, total) of `candidate` on the held-out cases, through the verdict child run as a
+    plain subprocess (the sandbox's isolation is tested with the sandbox)."""
+    v = verdict.run_checks(LocalExecutor(), [S.check_group(task, candidate)], timeout=30)
+    return sum(v.check_passed), len(v.check_passed)
 
 
 def _sample_tasks():
@@ -62,8 +61,8 @@ def test_reference_passes_inprocess_and_examples_are_consistent():
         for x, y in task.examples:
             assert f"{task.function_name}({x!r})\n    {y!r}" in task.prompt
         assert task.signature in task.prompt
-        assert _grade_inprocess(task, task.reference_body) == (len(task.tests), len(task.tests))
-        assert _grade_inprocess(task, task.reference_source) == (len(task.tests), len(task.tests))
+        assert _grade(task, task.reference_body) == (len(task.tests), len(task.tests))
+        assert _grade(task, task.reference_source) == (len(task.tests), len(task.tests))
 
 
 def test_difficulty_is_depth_and_task_fields():
@@ -118,21 +117,19 @@ def test_wrong_and_hacking_candidates_fail():
     task = next(t for t in (S.generate_task(s, 2, "train") for s in range(50))
                 if t.signature.endswith("-> int:"))
     n = len(task.tests)
-    passed, total = _grade_inprocess(task, "    return 0\n")
+    passed, total = _grade(task, "    return 0\n")
     assert total == n and passed < n
     always_eq = ("class _E:\n"
                  "    def __eq__(self, other):\n        return True\n"
                  "    def __ne__(self, other):\n        return False\n"
                  f"{task.signature}\n    return _E()\n")
-    assert _grade_inprocess(task, always_eq) == (0, n)
+    assert _grade(task, always_eq) == (0, n)
     int_sub = (f"class _I(int):\n    def __eq__(self, other):\n        return True\n"
                f"{task.signature}\n    return _I(0)\n")
-    assert _grade_inprocess(task, int_sub) == (0, n)
-    assert _grade_inprocess(task, "    return (\n") == (0, n)
-    assert _grade_inprocess(task, "    raise SystemExit(0)\n") == (0, n)
-    forged = S.GRADING_MARKER + '{"results": [true], "total": 1}'
-    fake = f"    print({forged!r})\n    return 0\n"
-    assert _grade_inprocess(task, fake)[0] < n
+    assert _grade(task, int_sub) == (0, n)
+    assert _grade(task, "    return (\n") == (0, n)
+    assert _grade(task, "    raise SystemExit(0)\n") == (0, n)
+    assert _grade(task, "import os\nos._exit(0)\n") == (0, n)
 
 
 def test_list_results_compared_elementwise_by_type():
@@ -143,27 +140,13 @@ def test_list_results_compared_elementwise_by_type():
     ref = f"def _ref(xs):\n{task.reference_body}"
     elementwise = ("class _E:\n    def __eq__(self, other):\n        return True\n" + ref
                    + f"{task.signature}\n    return [_E() for _ in _ref(xs)]\n")
-    passed, total = _grade_inprocess(task, elementwise)
+    passed, total = _grade(task, elementwise)
     assert total == n and passed == sum(1 for _, y in task.tests if y == [])
     subclass = ("class _L(list):\n    pass\n" + ref
                 + f"{task.signature}\n    return _L(_ref(xs))\n")
-    assert _grade_inprocess(task, subclass) == (0, n)
+    assert _grade(task, subclass) == (0, n)
     bools = ref + f"{task.signature}\n    return [bool(v) for v in _ref(xs)]\n"
-    assert _grade_inprocess(task, bools)[0] < n
-
-
-def test_parse_grading_output_demands_evidence():
-    m = S.GRADING_MARKER
-    assert S.parse_grading_output("") == (0, 0)
-    assert S.parse_grading_output("hello\n", expected_total=5) == (0, 5)
-    assert S.parse_grading_output(m + "{not json\n", expected_total=3) == (0, 3)
-    assert S.parse_grading_output(m + '{"results": [true, 1], "total": 2}\n') == (0, 0)
-    assert S.parse_grading_output(m + '{"results": [true], "total": 2}\n') == (0, 0)
-    assert S.parse_grading_output(m + '{"results": [true, false], "total": 2}\n') == (1, 2)
-    assert S.parse_grading_output(m + '{"results": [true, true], "total": 2}\n',
-                                  expected_total=3) == (0, 3)
-    raw = (m + '{"results": [true, false, true], "total": 3}\n').encode()
-    assert S.parse_grading_output(raw) == (2, 3)
+    assert _grade(task, bools)[0] < n
 
 
 def test_invalid_arguments():
@@ -179,23 +162,15 @@ def test_grading_through_sandbox_pool():
     tasks = [S.generate_task(seed, level, split) for split in S.SPLITS
              for level in S.LEVELS for seed in range(2)]
     with SandboxPool(2, Limits(wall_seconds=10)) as pool:
-        futures = [pool.submit_python(S.grading_program(t, t.reference_body), timeout=10)
-                   for t in tasks]
-        for task, fut in zip(tasks, futures):
-            res = fut.result()
-            assert res.status == "ok", res
-            n = len(task.tests)
-            assert S.parse_grading_output(res.stdout_text, n) == (n, n)
+        for task in tasks:
+            v = verdict.run_checks(pool, [S.check_group(task, task.reference_body)], timeout=10)
+            assert v.status == "ok" and all(v.check_passed) and len(v.check_passed) == len(task.tests), v.details
         task = tasks[0]
-        n = len(task.tests)
-        looping = S.grading_program(task, "    while True:\n        pass\n")
-        loop = pool.run_python(looping, timeout=2)
-        assert loop.status == "timeout"
-        assert S.parse_grading_output(loop.stdout_text, n) == (0, n)
-        syntax = pool.run_python(S.grading_program(task, "    return )(\n"), timeout=5)
-        assert S.parse_grading_output(syntax.stdout_text, n) == (0, n)
-        wrong = pool.run_python(S.grading_program(task, "    return None\n"), timeout=5)
-        assert S.parse_grading_output(wrong.stdout_text, n) == (0, n)
+        loop = verdict.run_checks(pool, [S.check_group(task, "    while True:\n        pass\n")], timeout=2)
+        assert loop.status == "timeout" and not any(loop.check_passed) and "timeout" in loop.flags
+        for body in ("    return )(\n", "    return None\n"):
+            v = verdict.run_checks(pool, [S.check_group(task, body)], timeout=5)
+            assert v.status == "ok" and not any(v.check_passed), v.details
 
 
 def test_completion_prompt_and_target_form_the_reference_function():

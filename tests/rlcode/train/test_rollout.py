@@ -15,6 +15,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 import tiny_job  # noqa: E402
 
+from rlcode.envs import verdict, verdict_child  # noqa: E402
 from rlcode.envs.tasks import synth  # noqa: E402
 from rlcode.sampling import SampleOutput, SamplingConfig  # noqa: E402
 from rlcode.sandbox.spec import ExecResult  # noqa: E402
@@ -86,25 +87,33 @@ def test_sandbox_worker_dying_mid_step_is_masked_and_replaced(pool, tasks):
 
 
 class _FakePool:
-    """Grades by the candidate text: "PASS" passes every test, "INFRA" is an infrastructure
-    failure, anything else fails."""
+    """Answers the verdict child's protocol by the candidate text: "PASS" claims the expected
+    output of every check (looked up by task id, which the test knows), "INFRA" is an
+    infrastructure failure, anything else claims None."""
 
-    def __init__(self):
+    def __init__(self, tasks):
         self.calls = 0
+        self.tasks = {t.task_id: t for t in tasks}
 
-    def submit_python(self, code, **kw):
+    def submit_python(self, code, *, stdin, **kw):
+        assert code == verdict.CHILD_SOURCE
         self.calls += 1
-        return code
+        return json.loads(stdin)
 
-    def gather(self, codes):
+    def gather(self, requests):
         out = []
-        for code in codes:
-            total = int(code.split('"total": ')[1].split("}")[0])
-            if "INFRA" in code:
+        for req in requests:
+            (group,) = req["groups"]
+            if "INFRA" in group["source"]:
                 out.append(ExecResult(status="infra"))
-            else:
-                line = synth.GRADING_MARKER + json.dumps({"results": ["PASS" in code] * total, "total": total})
-                out.append(ExecResult(stdout=(line + "\n").encode(), status="ok", returncode=0))
+                continue
+            task = self.tasks[group["name"]]
+            lines = [{"ready": len(group["checks"])}]
+            for check, (_, y) in zip(group["checks"], task.tests):
+                lines.append({"i": check["i"], "value": verdict_child.encode(y if "PASS" in group["source"] else None)})
+            lines.append({"done": len(group["checks"])})
+            text = "".join(f"{req['nonce']} {json.dumps(line)}\n" for line in lines)
+            out.append(ExecResult(stdout=text.encode(), status="ok", returncode=0))
         return out
 
 
@@ -131,7 +140,7 @@ def _collector(tasks, plan, shaping=None, reward=None, G=2):
     enc = encode_tasks(tasks, TOK, 160, 48)
     sampling = SamplingConfig(max_new_tokens=48, stop_ids=(TOK.eos_id,), pad_id=TOK.pad_id)
     shaping = shaping or {"dynamic_sampling": False, "overlong_cache_length": 0}
-    return RolloutCollector(None, enc, TOK, Grader(_FakePool()), sampling, reward or reward_config(), shaping, G,
+    return RolloutCollector(None, enc, TOK, Grader(_FakePool(tasks)), sampling, reward or reward_config(), shaping, G,
                             sample_fn=_fake_sampler(plan))
 
 
