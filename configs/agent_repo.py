@@ -15,6 +15,11 @@ bounds the time spent in RL steps (evaluations excluded). The argument after ':'
 
 Any field can then be overridden: `--config.rollout.group_size=4`, `--config.train.max_minutes=60`,
 `--config.seed=1 --config.workdir=runs/agent_repo/seed1`, `--config.resume=True`.
+
+`resume=True` continues the run in `workdir` and refuses a config that differs from its saved
+config.json, naming each changed field, except train.steps, train.max_minutes, sandbox.workers,
+checkpoint.every / keep, workdir and sft.cache_dir; `resume_override=True` accepts the changes
+(the old config is kept in config_history/).
 """
 
 import ml_collections
@@ -48,6 +53,7 @@ def get_config(arg=None):
     cfg.seed = 0
     cfg.workdir = "runs/agent_repo"
     cfg.resume = False
+    cfg.resume_override = False  # resume with a changed config (see the docstring)
     cfg.model = model_config(**AGENT_SHAPE, attention=attention_config(choices["attention"]))
     cfg.mesh = mesh_config()
 

@@ -18,6 +18,11 @@ is a comma-separated list of `name=value` choices:
 e.g. `--config=configs/grpo_synth.py:loss=dapo,attention=nsa`. Any field can then be overridden:
 `--config.rollout.async=True --config.rollout.max_staleness=2`, `--config.seed=1
 --config.workdir=runs/grpo_synth/seed1`, `--config.resume=True`, `--config.mesh.data=8`.
+
+`resume=True` continues the run in `workdir` and refuses a config that differs from its saved
+config.json, naming each changed field, except train.steps (extend the run), sandbox.workers,
+checkpoint.every / keep, workdir and sft.cache_dir; `resume_override=True` accepts the changes
+(the old config is kept in config_history/).
 """
 
 import ml_collections
@@ -49,6 +54,7 @@ def get_config(arg=None):
     cfg.seed = 0
     cfg.workdir = "runs/grpo_synth"
     cfg.resume = False
+    cfg.resume_override = False  # resume with a changed config (see the docstring)
 
     cfg.model = model_config(**SYNTH_SHAPE)
     if choices["mlp"] not in ("dense", "moe"):

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import sys
 import time
@@ -38,8 +37,9 @@ from flax import nnx
 from rlcode.models.transformer import init_model
 from rlcode.tokenizer import ByteTokenizer
 from rlcode.envs import harness, repo_tasks
+from rlcode.sandbox import fstree
 from rlcode.train.agent import PREFILL_MODES, _episode_kwargs, build_tasks, replay_prefill, turns_from_segments
-from rlcode.train.metrics import read_jsonl
+from rlcode.train.metrics import read_json_lines, read_jsonl
 
 CURVE_TAGS = ("eval_fresh/success", "eval/success", "eval_fresh/pass@1", "eval/pass@1", "rollout/success",
               "rollout/reward", "rollout/turns", "rollout/malformed_calls", "prefill/tokens_full",
@@ -93,14 +93,14 @@ def expert_record(cfg, num_tasks: int, group: int, pool) -> list[dict]:
         try:
             segments += [traj.segments[0]] * group
         finally:
-            shutil.rmtree(traj.workdir, ignore_errors=True)
+            fstree.remove(traj.workdir)  # the episode's tree may be deeper than rmtree can recurse
     return [{"step": "expert", "turns": [{str(r): v for r, v in call.items()} for call in turns_from_segments(segments)]}]
 
 
 def replay(run_dir: str, rounds: int, max_turn_sets: int | None, recorded: list[dict] | None = None) -> dict:
     cfg = ml_collections.ConfigDict(json.load(open(os.path.join(run_dir, "config.json"))))
     if recorded is None:
-        recorded = [json.loads(line) for line in open(os.path.join(run_dir, "episodes.jsonl"))]
+        recorded = read_json_lines(os.path.join(run_dir, "episodes.jsonl"))
     if max_turn_sets:
         recorded = recorded[:max_turn_sets]
     turns = [t for rec in recorded for t in rec["turns"]]

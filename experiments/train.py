@@ -5,37 +5,122 @@
 Everything is in `rlcode.train.loop.run` (or `rlcode.train.agent.run` for a config with
 ``job = "agent"``, e.g. configs/agent_repo.py); this script parses the config and prints where the
 results went. See configs/grpo_synth.py for the options (objective, async sampling, mesh, ...).
+
+A config the job cannot run (an unknown field, a value of the wrong type or out of range, a batch
+that does not fit in memory, a resume with changed settings) stops the script before any work
+with one line on stderr, ``config error: ...`` naming the field, and exit status 2.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
+from typing import Any
 
-from absl import app, logging
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 from experiments.cli import translate_aliases
+from rlcode.checks import ConfigError, unknown_field_error
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/grpo_synth.py", "Experiment config.")
+DEFAULT_CONFIG = "configs/grpo_synth.py"
+CONFIG_ERROR_STATUS = 2
+# --config.a.b=v, --config.a.b v, and absl's --noconfig.a.b for a boolean field.
+_OVERRIDE = re.compile(r"^--?(?:no)?config\.([^=]+)")
 
 
-def main(argv):
-    del argv
+def _config_spec(argv: list[str]) -> str:
+    """The --config=<file>[:<arg>] of a command line (the last one wins, as in absl)."""
+    spec = DEFAULT_CONFIG
+    for i, arg in enumerate(argv[1:], 1):
+        if arg.startswith(("--config=", "-config=")):
+            spec = arg.partition("=")[2]
+        elif arg in ("--config", "-config") and i + 1 < len(argv):
+            spec = argv[i + 1]
+    return spec
+
+
+def _last_line(error: Exception) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__
+
+
+def _base_config(spec: str) -> Any:
+    """The config file's get_config(arg), without overrides (ConfigError if it fails)."""
+    values = flags.FlagValues()
+    argv = ["train", f"--config={spec}"]
+    try:
+        config_flags.DEFINE_config_file("config", None, "Experiment config.", flag_values=values, sys_argv=argv)
+        values(argv)
+    except (flags.Error, ValueError, KeyError, AttributeError, OSError) as e:
+        raise ConfigError(f"--config={spec}: {_last_line(e)}") from None
+    return values.config
+
+
+def _paths(cfg: Any, prefix: str = "") -> list[str]:
+    out = []
+    for name, value in cfg.items():
+        out.append(prefix + name)
+        if hasattr(value, "items"):
+            out += _paths(value, prefix + name + ".")
+    return out
+
+
+def parse_config(argv: list[str], flag_values: flags.FlagValues = flags.FLAGS) -> Any:
+    """The config of a command line: ``--config=<file>[:<arg>]`` (default configs/grpo_synth.py)
+    and ``--config.<field>=<value>`` overrides, applied by ml_collections' config_flags, which
+    defines the flag on `flag_values` and parses all of `argv` there. Raises ConfigError for a
+    config file whose get_config fails, an unknown field (naming the closest fields; config_flags
+    would fail with a traceback while defining the flag) or a value it cannot parse."""
+    argv = list(argv)
+    spec = _config_spec(argv)
+    known = _paths(_base_config(spec))
+    for arg in argv[1:]:
+        match = _OVERRIDE.match(arg)
+        if match and match.group(1) not in known:
+            raise unknown_field_error(match.group(1), known)
+    if not any(a.startswith(("--config=", "-config=")) or a in ("--config", "-config") for a in argv[1:]):
+        argv.insert(1, f"--config={spec}")
+    config_flags.DEFINE_config_file("config", None, "Experiment config.", flag_values=flag_values, sys_argv=argv)
+    try:
+        flag_values(argv)
+    except flags.Error as e:
+        message = _last_line(e)
+        match = re.match(r"flag --config\.([^=]+)=(.*?): (.*)$", message)
+        raise ConfigError(f"{match.group(1)}={match.group(2)}: {match.group(3)}" if match else message) from None
+    return flag_values["config"].value
+
+
+def _fail(error: ConfigError) -> int:
+    print(f"config error: {error}", file=sys.stderr, flush=True)
+    return CONFIG_ERROR_STATUS
+
+
+def _flags_parser(argv: list[str]) -> Any:
+    try:
+        return parse_config(argv)
+    except ConfigError as e:
+        sys.exit(_fail(e))
+
+
+def main(config: Any) -> int:
     # Checkpoint libraries log every file operation at INFO; the job's own progress is enough.
     logging.set_verbosity(logging.WARNING)
     from rlcode.train import agent, loop  # noqa: PLC0415 (after flag parsing: a bad flag fails fast)
 
-    job = agent if _CONFIG.value.get("job", "synth") == "agent" else loop
+    job = agent if config.get("job", "synth") == "agent" else loop
     try:
-        result = job.run(_CONFIG.value)
+        result = job.run(config)
+    except ConfigError as e:
+        return _fail(e)
     except KeyboardInterrupt:
         # Before the RL loop (SFT, compilation) or a second Ctrl-C: nothing half-written is kept.
-        print(f"aborted; checkpoints saved so far are in {_CONFIG.value.workdir}/checkpoints "
+        print(f"aborted; checkpoints saved so far are in {config.workdir}/checkpoints "
               "(continue with --config.resume=True)", file=sys.stderr)
         return 130
     first, last = result.first_eval or {}, result.last_eval or {}
-    n = _CONFIG.value.eval.num_samples
+    n = config.eval.num_samples
     keys = ["eval/pass@1", f"eval/best_of_{n}"] + (["eval_fresh/pass@1"] if job is agent else [])
     table = {k: (first.get(k), last.get(k)) for k in keys}
     print(json.dumps({"workdir": result.workdir, "steps": result.steps_done, "completed": result.completed,
@@ -46,4 +131,4 @@ def main(argv):
 
 if __name__ == "__main__":
     sys.argv[:] = translate_aliases(sys.argv)  # config_flags reads its overrides from sys.argv
-    sys.exit(app.run(main))
+    app.run(main, flags_parser=_flags_parser)

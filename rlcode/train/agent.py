@@ -44,7 +44,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import shutil
 import sys
 import tempfile
 import threading
@@ -59,19 +58,24 @@ from flax import nnx
 
 from rlcode import advantages as adv_lib
 from rlcode import sampling
+from rlcode.checks import ConfigError, config_errors, flag, integer, real, schema_from_defaults, sequence, text
 from rlcode.envs import grading, harness, repo_tasks, rewards, tools
+from rlcode.sandbox import fstree
 from rlcode.models.transformer import init_model
 from rlcode.sharding import make_mesh, rules_from_config
 from rlcode.tokenizer import ByteTokenizer, Tokenizer
+from rlcode.train import memory
 from rlcode.train import sft as sft_lib
 from rlcode.train.checkpoint import Checkpointer
 from rlcode.train.loop import RunResult, _StopFlag, default_pool, prepare_workdir
-from rlcode.train.metrics import EventWriter, eval_summary
+from rlcode.train.metrics import EventWriter, eval_summary, repair_json_lines
+from rlcode.train.schema import MAX_SANDBOX_WORKERS, SEED, check_common, check_schema, mesh_sizes
 from rlcode.train.progress import Progress
 from rlcode.train.step import (init_train_state, make_logprob_fn, make_optimizer, make_train_step,
                                state_shardings)
 
 PREFILL_MODES = ("documents", "incremental", "full")
+ROW_MULTIPLE = 8  # training batches are padded to a multiple of this many rows (few shapes to compile)
 
 
 def _bucket(n: int, minimum: int = 16, step: int = 512) -> int:
@@ -344,7 +348,7 @@ def play_episodes(tasks: Sequence[repo_tasks.RepoTask], sampler: SessionSampler,
         try:
             episode = _grade(task, traj, pool, cfg)
         finally:
-            shutil.rmtree(traj.workdir, ignore_errors=True)
+            fstree.remove(traj.workdir)
         episode.behavior_logp = np.concatenate(sampler.logprobs[row] or [np.zeros(0, np.float32)])
         return episode
 
@@ -354,7 +358,7 @@ def play_episodes(tasks: Sequence[repo_tasks.RepoTask], sampler: SessionSampler,
             batcher.serve()
             return [f.result() for f in futures]
     finally:
-        shutil.rmtree(root, ignore_errors=True)
+        fstree.remove(root)
 
 
 # --------------------------------------------------------------------------------------------
@@ -436,13 +440,13 @@ def expert_demonstrations(tasks: Sequence[repo_tasks.RepoTask], pool: Any, token
             ok = traj.end_reason == "submitted" and len(traj.segments) == 1 and _grade(task, traj, pool, cfg).success
             return traj.segments[0] if ok else None
         finally:
-            shutil.rmtree(traj.workdir, ignore_errors=True)
+            fstree.remove(traj.workdir)
 
     try:
         with concurrent.futures.ThreadPoolExecutor(max_workers=8) as ex:
             segments = list(ex.map(one, tasks))
     finally:
-        shutil.rmtree(root, ignore_errors=True)
+        fstree.remove(root)
     kept = [s for s in segments if s is not None]
     if not kept:
         raise RuntimeError("no expert demonstration succeeded; check the sandbox and agent.max_context_tokens")
@@ -456,7 +460,7 @@ def expert_demonstrations(tasks: Sequence[repo_tasks.RepoTask], pool: Any, token
     return demos
 
 
-def training_batch(episodes: Sequence[Episode], cfg: Any, pad_id: int, row_multiple: int = 8,
+def training_batch(episodes: Sequence[Episode], cfg: Any, pad_id: int, row_multiple: int = ROW_MULTIPLE,
                    length_multiple: int = 512) -> dict[str, np.ndarray]:
     """GRPO batch: group advantages over the G episodes of each task (invalid ones masked), one
     row per segment with its episode's advantage, and the sampler's log-probs at the sampled
@@ -566,33 +570,87 @@ def build_tasks(cfg: Any) -> dict[str, list[repo_tasks.RepoTask]]:
 # --------------------------------------------------------------------------------------------
 
 
-def validate_config(cfg: Any) -> None:
+AGENT_SECTIONS = {
+    "job": text(("agent",)),
+    "task": {"levels": sequence(integer(choices=repo_tasks.LEVELS), min_len=1), "num_train": integer(1),
+             "num_demos": integer(0), "num_fresh": integer(0), "num_eval": integer(0), "seed": SEED},
+    "agent": {"max_turns": integer(1), "max_context_tokens": integer(1), "max_response_tokens": integer(1),
+              "summarize": flag(), "compact_prompt": flag(), "expert_style": text(repo_tasks.EXPERT_STYLES),
+              "prefill": text(PREFILL_MODES), "tools": sequence(text(tuple(tools.TOOLS)))},
+    "sampling": {"temperature": real(0, low_open=True)},
+    "rollout": {"prompts_per_step": integer(1), "group_size": integer(1)},
+    "sandbox": {"workers": integer(1, MAX_SANDBOX_WORKERS), "timeout": real(0, low_open=True)},
+    # Ranges: `rewards.read_reward_config`, run by `validate_config`.
+    "reward": schema_from_defaults(rewards.reward_config(), {"test_reward": text(rewards.TEST_REWARDS),
+                                                             "hack_flags": sequence(text(grading.FLAGS)),
+                                                             "hack_mode": text(rewards.HACK_MODES)}),
+    "train": {"steps": integer(1), "max_minutes": real(0), "microbatches": integer(1)},
+    "eval": {"every": integer(0), "num_samples": integer(1), "at_start": flag(), "at_end": flag(),
+             "batch_rows": integer(1)},
+    "log": {"text_every": integer(0), "record_every": integer(0)},
+}
+
+
+def validate_config(cfg: Any, num_devices: int | None = None,
+                    budget: Sequence[tuple[str, int]] | None = None) -> None:
+    """Raise ConfigError naming the field for a config the agent job cannot run; called at start,
+    before any task, demonstration or compilation. The same checks as the synthesis job's
+    (`rlcode.train.schema`: every field's type and range, unknown fields, the shared sections'
+    constraints, the mesh against `num_devices`, the memory estimate against `budget`), with
+    the agent's own sections (`AGENT_SECTIONS`) and constraints."""
+    check_schema(cfg, AGENT_SECTIONS)
+    check_common(cfg, num_devices)
     kind = cfg.model.attention.kind
     if kind not in ("dense", "squid"):
-        raise ValueError(f"model.attention.kind={kind!r}: the agent job supports 'dense' and 'squid' "
-                         "(its sampler extends per-episode caches turn by turn)")
-    if cfg.rollout.group_size < 2:
-        raise ValueError(f"rollout.group_size={cfg.rollout.group_size}: group advantages need >= 2 episodes per task")
-    if cfg.agent.expert_style not in repo_tasks.EXPERT_STYLES:
-        raise ValueError(f"agent.expert_style={cfg.agent.expert_style!r}: one of {repo_tasks.EXPERT_STYLES}")
-    unknown = [t for t in cfg.agent.tools if t not in tools.TOOLS]
-    if unknown or (cfg.agent.tools and "submit" not in cfg.agent.tools):
-        raise ValueError(f"agent.tools={tuple(cfg.agent.tools)}: unknown {unknown}; 'submit' is required. "
-                         f"Available: {sorted(tools.TOOLS)}")
-    for level in cfg.task.levels:
-        if level not in repo_tasks.LEVELS:
-            raise ValueError(f"task.levels: {level} is not one of {repo_tasks.LEVELS}")
+        raise ConfigError(f"model.attention.kind={kind!r}: the agent job supports 'dense' and 'squid' "
+                          "(its sampler extends per-episode caches turn by turn)")
+    P, G = cfg.rollout.prompts_per_step, cfg.rollout.group_size
+    if G < 2:
+        raise ConfigError(f"rollout.group_size={G}: group advantages need >= 2 episodes per task")
+    if P > cfg.task.num_train:
+        raise ConfigError(f"rollout.prompts_per_step={P} > task.num_train={cfg.task.num_train} (each step draws "
+                          "distinct tasks)")
+    if cfg.sft.steps > 0 and not 1 <= cfg.task.num_demos <= cfg.task.num_train:
+        raise ConfigError(f"task.num_demos={cfg.task.num_demos}: the warm start (sft.steps={cfg.sft.steps}) needs "
+                          f"1 to task.num_train={cfg.task.num_train} demonstrations")
+    if cfg.agent.tools and "submit" not in cfg.agent.tools:
+        raise ConfigError(f"agent.tools={tuple(cfg.agent.tools)}: 'submit' is required. "
+                          f"Available: {sorted(tools.TOOLS)}")
+    if cfg.agent.max_response_tokens >= cfg.agent.max_context_tokens:
+        raise ConfigError(f"agent.max_response_tokens={cfg.agent.max_response_tokens}: must be < "
+                          f"agent.max_context_tokens={cfg.agent.max_context_tokens}")
     if cfg.shaping.dynamic_sampling or cfg.shaping.overlong_cache_length:
-        raise ValueError("the agent job does not implement shaping.dynamic_sampling or shaping.overlong_cache_length "
-                         "(episode length is shaped by reward.length_*); set both to False / 0")
+        raise ConfigError("the agent job does not implement shaping.dynamic_sampling or shaping.overlong_cache_length "
+                          "(episode length is shaped by reward.length_*); set both to False / 0")
+    if cfg.advantage.estimator != "group":
+        raise ConfigError(f"advantage.estimator={cfg.advantage.estimator!r}: the agent job computes group advantages "
+                          "over each task's episodes ('group')")
+    if cfg.loss.value_coef > 0:
+        raise ConfigError(f"loss.value_coef={cfg.loss.value_coef}: the agent job trains no value head (use 0)")
+    if cfg.loss.kl_coef > 0 and cfg.loss.kl_penalty != "loss":
+        raise ConfigError(f"loss.kl_penalty={cfg.loss.kl_penalty!r}: the agent job applies the KL in the loss "
+                          "(kl_penalty='loss')")
+    if ROW_MULTIPLE % cfg.train.microbatches:
+        raise ConfigError(f"train.microbatches={cfg.train.microbatches}: must divide {ROW_MULTIPLE} (the training "
+                          f"batch is padded to a multiple of {ROW_MULTIPLE} rows)")
+    with config_errors("reward"):
+        rewards.read_reward_config(cfg.reward)
+    if num_devices is not None:
+        sizes = mesh_sizes(cfg.mesh, num_devices)
+        shards = sizes["data"] * sizes["fsdp"]
+        if (ROW_MULTIPLE // cfg.train.microbatches) % shards:
+            raise ConfigError(f"mesh: a micro-batch of {ROW_MULTIPLE} / train.microbatches rows does not divide over "
+                              f"the mesh's data x fsdp = {shards} devices")
+    memory.check(memory.estimate_agent(cfg, ROW_MULTIPLE), memory.limits(jax.devices()) if budget is None else budget)
 
 
 def run(cfg: Any, *, pool: Any = None, log: Callable[[str], None] | None = None) -> RunResult:
     """Run the agent job of `cfg` (configs/agent_repo.py); writes tb/, checkpoints/,
     config.json, summary.json and episodes.jsonl (recorded turns for the prefill replay)."""
     t_start = time.perf_counter()
-    validate_config(cfg)
-    workdir, ckpt_dir = prepare_workdir(cfg)
+    devices = jax.devices()
+    validate_config(cfg, len(devices), memory.limits(devices))
+    workdir, ckpt_dir = prepare_workdir(cfg, log or (lambda m: print(m, file=sys.stderr, flush=True)))
     own_pool = pool is None
     if own_pool:
         pool = default_pool(cfg.sandbox.workers, cfg.sandbox.timeout)
@@ -670,7 +728,9 @@ def run(cfg: Any, *, pool: Any = None, log: Callable[[str], None] | None = None)
             if cfg.eval.at_start and start == 0:
                 first_eval = last_eval = run_eval(0)
             done = start
-            episodes_log = open(os.path.join(workdir, "episodes.jsonl"), "a")
+            episodes_path = os.path.join(workdir, "episodes.jsonl")
+            repair_json_lines(episodes_path)  # a run killed mid-line left a torn record
+            episodes_log = open(episodes_path, "a")
             for step in range(start, total):
                 if stop.signal is not None:
                     interrupted = True
@@ -716,7 +776,7 @@ def run(cfg: Any, *, pool: Any = None, log: Callable[[str], None] | None = None)
                 if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < total:
                     last_eval = run_eval(step + 1)
                 done = step + 1
-                if done % cfg.checkpoint.every == 0:
+                if cfg.checkpoint.every and done % cfg.checkpoint.every == 0:
                     ckpt.save(done, state, extra={"iteration": done, "first_eval": first_eval})
             episodes_log.close()
             if cfg.eval.at_end and not interrupted:

@@ -21,26 +21,30 @@ Evaluation every ``eval.every`` steps (and before the first and after the last s
 best-of-n, mean length and the reward terms. Scalars and a few completions go to TensorBoard
 (``<workdir>/tb``, with a ``metrics.jsonl`` copy); checkpoints go to ``<workdir>/checkpoints``.
 
+Config checks: `validate_config` checks every field (type, range, finiteness, allowed values,
+unknown fields), the constraints between fields and the memory estimate before anything is
+built; a failure is a `rlcode.checks.ConfigError` naming the field.
+
 Interruptions: SIGINT / SIGTERM finish the current step, save a checkpoint and return
 (a second signal aborts at once); ``resume = True`` continues from the latest checkpoint,
-also after SIGKILL (at most the steps since the last checkpoint are redone). A non-finite loss
-stops the run with `NonFiniteLossError` naming the step and the batch statistics, saves the
-offending batch to ``<workdir>/nonfinite_batch_step<N>.npz`` and leaves the checkpoints as they
-were.
+also after SIGKILL (at most the steps since the last checkpoint are redone), and refuses a
+config that differs from the run's config.json except in `RESUME_MUTABLE` fields unless
+``resume_override = True`` (`prepare_workdir`). A non-finite loss stops the run with
+`NonFiniteLossError` naming the step and the batch statistics, saves the offending batch to
+``<workdir>/nonfinite_batch_step<N>.npz`` and leaves the checkpoints as they were.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import queue
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -50,18 +54,20 @@ from flax import nnx
 
 from rlcode import advantages as adv_lib
 from rlcode import losses
-from rlcode.checks import one_of
+from rlcode.checks import ConfigError, flag, flatten, integer, real, schema_from_defaults, sequence, text
 from rlcode.envs.tasks import synth
 from rlcode.models.transformer import init_model
-from rlcode.recipes import ADVANTAGE_ESTIMATORS
 from rlcode.sampling import SampleOutput, SamplingConfig, to_training_batch
 from rlcode.sharding import make_mesh, rules_from_config
 from rlcode.tokenizer import ByteTokenizer
+from rlcode.train import memory
 from rlcode.train import sft as sft_lib
 from rlcode.train.checkpoint import Checkpointer
 from rlcode.train.metrics import EventWriter, eval_summary
 from rlcode.train.progress import Progress
-from rlcode.train.rollout import EncodedTasks, Grader, Rollout, RolloutCollector, encode_tasks, trim_batch
+from rlcode.train.rollout import (TEST_REWARDS, EncodedTasks, Grader, Rollout, RolloutCollector, encode_tasks,
+                                  reward_config, trim_batch)
+from rlcode.train.schema import MAX_SANDBOX_WORKERS, SEED, check_common, check_schema, mesh_sizes
 from rlcode.train.step import init_train_state, make_logprob_fn, make_optimizer, make_train_step, state_shardings
 
 
@@ -72,58 +78,69 @@ class NonFiniteLossError(FloatingPointError):
 # ------------------------------------------------------------------------------ validation
 
 
-def validate_config(cfg: Any, num_devices: int | None = None) -> None:
-    """Raise ValueError naming the field for a config the job cannot run; called at start."""
-    losses.validate_loss_config(cfg.loss)
-    one_of(cfg.advantage.estimator, ADVANTAGE_ESTIMATORS, "advantage.estimator")
+FRESH_SEED_OFFSET = 500_000  # task seeds of the fresh eval pool start here (see `build_tasks`)
+SYNTH_SECTIONS = {
+    "job": text(("synth",), required=False),
+    "task": {"levels": sequence(integer(choices=synth.LEVELS), min_len=1), "num_train": integer(1, FRESH_SEED_OFFSET),
+             "num_eval": integer(1), "num_fresh": integer(0), "max_prompt_len": integer(1), "seed": SEED},
+    "sampling": {"max_new_tokens": integer(1), "temperature": real(0, low_open=True), "top_k": integer(0),
+                 "top_p": real(0, 1, low_open=True)},
+    "rollout": {"prompts_per_step": integer(1), "group_size": integer(1), "async_mode": flag(),
+                "max_staleness": integer(0), "max_draws": integer(1)},
+    "sandbox": {"workers": integer(1, MAX_SANDBOX_WORKERS)},
+    "reward": schema_from_defaults(reward_config(), {"tests": text(TEST_REWARDS), "truncation_penalty": real(0),
+                                                     "timeout": real(0, low_open=True)}),
+    "train": {"steps": integer(1), "epochs": integer(1), "minibatches": integer(1), "microbatches": integer(1)},
+    "eval": {"every": integer(0), "num_samples": integer(1), "ks": sequence(integer(1), min_len=1),
+             "prompts_per_batch": integer(1), "at_start": flag(), "at_end": flag()},
+    "log": {"text_every": integer(0), "num_texts": integer(0)},
+}
+
+
+def validate_config(cfg: Any, num_devices: int | None = None,
+                    budget: Sequence[tuple[str, int]] | None = None) -> None:
+    """Raise ConfigError naming the field for a config the job cannot run; called at start, before
+    any task, warm start or compilation. Checks every field (`SYNTH_SECTIONS` and
+    `schema.common_schema`), the constraints between fields, the mesh against `num_devices` (when
+    given) and the memory estimate (`rlcode.train.memory`) against `budget` ([(what, bytes)];
+    default: the host's memory and the devices' where jax reports it)."""
+    check_schema(cfg, SYNTH_SECTIONS)
+    check_common(cfg, num_devices)
     P, G = cfg.rollout.prompts_per_step, cfg.rollout.group_size
-    for field, value in (("rollout.prompts_per_step", P), ("rollout.group_size", G), ("train.steps", cfg.train.steps),
-                         ("train.epochs", cfg.train.epochs), ("train.minibatches", cfg.train.minibatches),
-                         ("train.microbatches", cfg.train.microbatches), ("eval.num_samples", cfg.eval.num_samples),
-                         ("sampling.max_new_tokens", cfg.sampling.max_new_tokens),
-                         ("task.max_prompt_len", cfg.task.max_prompt_len)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{field} must be a positive integer, got {value!r}")
     if cfg.advantage.estimator == "group" and cfg.advantage.normalize in ("std", "rloo") and G < 2:
-        raise ValueError(f"rollout.group_size={G}: advantage.normalize={cfg.advantage.normalize!r} needs at "
-                         "least 2 samples per prompt (use normalize='batch' or a larger group)")
-    if (cfg.advantage.estimator == "gae" or cfg.loss.value_coef > 0) and not cfg.model.value_head:
-        raise ValueError("advantage.estimator='gae' / loss.value_coef > 0 need model.value_head=True")
+        raise ConfigError(f"rollout.group_size={G}: advantage.normalize={cfg.advantage.normalize!r} needs at "
+                          "least 2 samples per prompt (use normalize='batch' or a larger group)")
+    if P > cfg.task.num_train:
+        raise ConfigError(f"rollout.prompts_per_step={P} > task.num_train={cfg.task.num_train}")
     if P % cfg.train.minibatches:
-        raise ValueError(f"rollout.prompts_per_step={P} is not divisible by train.minibatches={cfg.train.minibatches}")
+        raise ConfigError(f"rollout.prompts_per_step={P} is not divisible by train.minibatches={cfg.train.minibatches}")
     rows = P * G // cfg.train.minibatches
     if rows % cfg.train.microbatches:
-        raise ValueError(f"a minibatch of {rows} rows is not divisible by train.microbatches={cfg.train.microbatches}")
-    if cfg.rollout.max_staleness < 0:
-        raise ValueError(f"rollout.max_staleness must be >= 0, got {cfg.rollout.max_staleness}")
+        raise ConfigError(f"a minibatch of {rows} rows is not divisible by train.microbatches={cfg.train.microbatches}")
     if cfg.rollout.async_mode and cfg.rollout.max_staleness < 1:
-        raise ValueError("rollout.async_mode=True needs rollout.max_staleness >= 1")
-    if cfg.eval.every < 0:
-        raise ValueError(f"eval.every must be >= 0, got {cfg.eval.every}")
+        raise ConfigError("rollout.async_mode=True needs rollout.max_staleness >= 1")
+    if cfg.sampling.top_k > cfg.model.vocab_size:
+        raise ConfigError(f"sampling.top_k={cfg.sampling.top_k}: must be <= model.vocab_size={cfg.model.vocab_size} "
+                          "(0 = off)")
+    if cfg.shaping.overlong_cache_length > cfg.sampling.max_new_tokens:
+        raise ConfigError(f"shaping.overlong_cache_length={cfg.shaping.overlong_cache_length}: must be <= "
+                          f"sampling.max_new_tokens={cfg.sampling.max_new_tokens} (0 = off)")
     bad_k = [k for k in cfg.eval.ks if not 1 <= k <= cfg.eval.num_samples]
     if bad_k:
-        raise ValueError(f"eval.ks={tuple(cfg.eval.ks)}: each k must be in [1, eval.num_samples={cfg.eval.num_samples}]")
-    for level in cfg.task.levels:
-        if level not in synth.LEVELS:
-            raise ValueError(f"task.levels={tuple(cfg.task.levels)}: each level must be one of {synth.LEVELS}")
+        raise ConfigError(f"eval.ks={tuple(cfg.eval.ks)}: each k must be in [1, eval.num_samples="
+                          f"{cfg.eval.num_samples}]")
     if num_devices is not None:
-        mesh_sizes = {a: cfg.mesh[a] for a in ("data", "fsdp", "tensor", "expert")}
-        known = math.prod(s for s in mesh_sizes.values() if s != -1)
-        if num_devices % known:
-            raise ValueError(f"mesh={mesh_sizes} does not fit {num_devices} devices")
-        sizes = {a: (num_devices // known if s == -1 else s) for a, s in mesh_sizes.items()}
+        sizes = mesh_sizes(cfg.mesh, num_devices)
         shards = sizes["data"] * sizes["fsdp"]
         n = rows // cfg.train.microbatches
         if n % shards:
-            raise ValueError(f"batch: rollout.prompts_per_step * rollout.group_size / train.minibatches / "
-                             f"train.microbatches = {n} rows is not divisible by the mesh's data x fsdp = "
-                             f"{shards} devices (mesh.data={sizes['data']}, mesh.fsdp={sizes['fsdp']})")
+            raise ConfigError(f"batch: rollout.prompts_per_step * rollout.group_size / train.minibatches / "
+                              f"train.microbatches = {n} rows is not divisible by the mesh's data x fsdp = "
+                              f"{shards} devices (mesh.data={sizes['data']}, mesh.fsdp={sizes['fsdp']})")
+    memory.check(memory.estimate_synth(cfg), memory.limits(jax.devices()) if budget is None else budget)
 
 
 # ------------------------------------------------------------------------------ tasks
-
-
-FRESH_SEED_OFFSET = 500_000
 
 
 def build_tasks(cfg: Any, tokenizer: ByteTokenizer) -> tuple[EncodedTasks, EncodedTasks, EncodedTasks | None]:
@@ -139,7 +156,7 @@ def build_tasks(cfg: Any, tokenizer: ByteTokenizer) -> tuple[EncodedTasks, Encod
     levels = tuple(cfg.task.levels)
     base = cfg.task.seed * 1_000_003
     if cfg.task.num_train > FRESH_SEED_OFFSET:
-        raise ValueError(f"task.num_train={cfg.task.num_train} must be <= {FRESH_SEED_OFFSET}")
+        raise ConfigError(f"task.num_train={cfg.task.num_train} must be <= {FRESH_SEED_OFFSET}")
     train = [synth.generate_task(base + j, levels[j % len(levels)], "train") for j in range(cfg.task.num_train)]
     evals = synth.make_split("eval", cfg.task.num_eval, seed=cfg.task.seed, levels=levels)
     M, Lp = cfg.sampling.max_new_tokens, cfg.task.max_prompt_len
@@ -224,7 +241,8 @@ def rollout_metrics(r: Rollout, prefix: str = "rollout") -> dict[str, float]:
     G = r.group_size
     rew = r.rewards.reshape(-1, G)
     out[f"{prefix}/degenerate_groups"] = float(np.mean(np.ptp(rew, axis=1) == 0))
-    for k in ("infra", "timeout", "truncated", "draws", "dropped_groups", "filled"):
+    for k in ("infra", "timeout", "crash", "early_exit", "forged_report", "truncated", "draws", "dropped_groups",
+              "filled"):
         if k in r.stats:
             out[f"{prefix}/{k}"] = float(r.stats[k])
     return out
@@ -410,18 +428,105 @@ def _stats_text(batch: dict[str, Any], r: Rollout) -> dict[str, Any]:
     return out
 
 
-def prepare_workdir(cfg: Any) -> tuple[str, str]:
+# Fields a resumed run may change without resume_override: where the run and its warm-start
+# cache live, how long it runs (extending train.steps also stretches the learning-rate schedule
+# when optim.total_steps follows train.steps, as in the shipped configs), its time budget, the
+# sandbox's parallelism, how often and how many checkpoints are kept, and the resume switches
+# themselves. Any other change (seeds, learning rate, rewards, model, batch shape, evaluation,
+# ...) would make the resumed run a different experiment.
+RESUME_MUTABLE = ("resume", "resume_override", "workdir", "train.steps", "train.max_minutes", "sandbox.workers",
+                  "sft.cache_dir", "checkpoint.every", "checkpoint.keep")
+CONFIG_HISTORY = "config_history"
+_ABSENT = "(absent)"
+
+
+def config_changes(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
+    """path -> (old value, new value) for every leaf that differs between two configs as JSON;
+    a field only one of them has shows "(absent)" on the other side."""
+    a, b = flatten(old), flatten(new)
+    return {k: (a.get(k, _ABSENT), b.get(k, _ABSENT)) for k in sorted(set(a) | set(b))
+            if a.get(k, _ABSENT) != b.get(k, _ABSENT)}
+
+
+def _mutable_on_resume(path: str, old: dict, new: dict) -> bool:
+    if path in RESUME_MUTABLE:
+        return True
+    # optim.total_steps may follow train.steps (a reference in the configs) and nothing else.
+    if path == "optim.total_steps":
+        a, b = flatten(old), flatten(new)
+        return a.get(path) == a.get("train.steps") and b.get(path) == b.get("train.steps")
+    return False
+
+
+def _archive_config(workdir: str, old: Any, changes: dict, *, resume: bool, override: bool) -> str:
+    """Keep a replaced config.json as config_history/<n>.json with what changed; returns the path."""
+    folder = os.path.join(workdir, CONFIG_HISTORY)
+    os.makedirs(folder, exist_ok=True)
+    n = 1 + sum(1 for name in os.listdir(folder) if name.endswith(".json"))
+    path = os.path.join(folder, f"{n:03d}.json")
+    record = {"replaced_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "resume": resume, "override": override,
+              "changes": {k: list(v) for k, v in changes.items()}, "config": old}
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f, indent=2, sort_keys=True)
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def _format_value(value: Any) -> str:
+    return value if value == _ABSENT else json.dumps(value)
+
+
+def prepare_workdir(cfg: Any, log: Callable[[str], None] | None = None) -> tuple[str, str]:
     """(workdir, checkpoint dir) of a job: created, refused when it holds checkpoints and
-    cfg.resume is off, with the config written to config.json."""
+    cfg.resume is off, with the config written to config.json.
+
+    Resuming compares the config with the run's saved config.json and raises a ConfigError
+    naming every changed field (old -> new) unless only `RESUME_MUTABLE` fields changed or
+    ``resume_override`` is set. config.json is replaced only after that check passes, and a
+    replaced config is kept in ``config_history/<n>.json`` with its changes, so the run's
+    history of configs stays complete."""
     workdir = os.path.abspath(cfg.workdir)
     os.makedirs(workdir, exist_ok=True)
     ckpt_dir = os.path.join(workdir, "checkpoints")
     has_ckpt = os.path.isdir(ckpt_dir) and any(n.isdigit() for n in os.listdir(ckpt_dir))
     if has_ckpt and not cfg.resume:
-        raise ValueError(f"workdir {workdir} already has checkpoints: pass --config.resume=True to continue "
-                         "that run, or choose another --config.workdir")
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-        f.write(cfg.to_json_best_effort(indent=2, sort_keys=True))
+        raise ConfigError(f"workdir {workdir} already has checkpoints: pass --config.resume=True to continue "
+                          "that run, or choose another --config.workdir")
+    path = os.path.join(workdir, "config.json")
+    text_new = cfg.to_json_best_effort(indent=2, sort_keys=True)
+    new = json.loads(text_new)
+    override = bool(cfg.get("resume_override", False))
+    if os.path.exists(path):
+        with open(path) as f:
+            raw = f.read()
+        try:
+            old = json.loads(raw)
+        except ValueError:
+            old = None
+        if old is None or not isinstance(old, dict):
+            if cfg.resume and not override:
+                raise ConfigError(f"resume: {path} is not a readable config, so the resumed config cannot be "
+                                  "compared with it; restore it, or pass --config.resume_override=True to resume "
+                                  f"with the given config (the unreadable file is kept in {CONFIG_HISTORY}/)")
+            _archive_config(workdir, raw, {}, resume=bool(cfg.resume), override=override)
+        else:
+            changes = config_changes(old, new)
+            refused = {k: v for k, v in changes.items() if not _mutable_on_resume(k, old, new)}
+            if cfg.resume and refused and not override:
+                listed = ", ".join(f"{k} {_format_value(a)} -> {_format_value(b)}" for k, (a, b) in refused.items())
+                raise ConfigError(
+                    f"resume: the config differs from the run's {path} in {len(refused)} field(s): {listed}; "
+                    "resume with the saved values, or pass --config.resume_override=True to continue with the new "
+                    f"ones (the saved config is then kept in {CONFIG_HISTORY}/). Fields that may change on resume: "
+                    f"{', '.join(RESUME_MUTABLE)}")
+            if changes:
+                kept = _archive_config(workdir, old, changes, resume=bool(cfg.resume), override=bool(refused))
+                if cfg.resume and refused and log is not None:
+                    log(f"resume_override: continuing with {len(refused)} changed field(s) "
+                        f"({', '.join(refused)}); the previous config is in {kept}")
+    with open(path + ".tmp", "w") as f:
+        f.write(text_new)
+    os.replace(path + ".tmp", path)
     return workdir, ckpt_dir
 
 
@@ -447,8 +552,8 @@ def run(cfg: Any, *, pool: Any = None, log: Callable[[str], None] | None = None,
     t_start = time.perf_counter()
     hooks = hooks or {}
     devices = jax.devices()
-    validate_config(cfg, len(devices))
-    workdir, ckpt_dir = prepare_workdir(cfg)
+    validate_config(cfg, len(devices), memory.limits(devices))
+    workdir, ckpt_dir = prepare_workdir(cfg, log or (lambda m: print(m, file=sys.stderr, flush=True)))
     own_pool = pool is None
     if own_pool:
         pool = default_pool(cfg.sandbox.workers, cfg.reward.timeout)
@@ -459,11 +564,10 @@ def run(cfg: Any, *, pool: Any = None, log: Callable[[str], None] | None = None,
     progress = None
     try:
         tokenizer = ByteTokenizer()
-        if cfg.model.vocab_size < tokenizer.vocab_size:
-            raise ValueError(f"model.vocab_size={cfg.model.vocab_size} < the tokenizer's {tokenizer.vocab_size}")
         train_tasks, eval_tasks, fresh_tasks = build_tasks(cfg, tokenizer)
         if len(train_tasks) < cfg.rollout.prompts_per_step:
-            raise ValueError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} > the {len(train_tasks)} train tasks")
+            raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} > the {len(train_tasks)} train "
+                              f"tasks within task.max_prompt_len={cfg.task.max_prompt_len}")
         say = log or (lambda m: progress.write(m) if progress is not None else print(m, file=sys.stderr, flush=True))
         say(f"tasks: {len(train_tasks)} train (SFT demos and RL prompts), {len(eval_tasks)} held-out eval, "
             f"{len(fresh_tasks) if fresh_tasks else 0} fresh in-distribution eval; "

@@ -8,7 +8,8 @@ on Code", eq. 1): with n samples per prompt of which c are correct,
 the product form (their Figure 3) avoiding the huge binomials.
 
 `EventWriter` writes TensorBoard event files (scalars and text) plus a `metrics.jsonl` copy of
-the scalars; `read_scalars` / `read_jsonl` read them back for plot scripts and tests::
+the scalars; `read_scalars` / `read_jsonl` read them back for plot scripts and tests (any JSON
+lines file: `read_json_lines`, `repair_json_lines`)::
 
     with EventWriter(workdir / "tb") as writer:
         writer.scalars(step, {"loss": loss, "eval/pass@1": 0.25})
@@ -31,6 +32,7 @@ import os
 import socket
 import struct
 import time
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -40,7 +42,8 @@ from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
 from tensorboard.plugins.text import metadata as text_metadata
 from tensorboard.summary.writer.record_writer import RecordWriter
 
-__all__ = ["pass_at_k", "eval_summary", "EventWriter", "read_scalars", "read_jsonl", "JSONL_NAME"]
+__all__ = ["pass_at_k", "eval_summary", "EventWriter", "read_scalars", "read_jsonl", "read_json_lines",
+           "repair_json_lines", "JSONL_NAME"]
 
 JSONL_NAME = "metrics.jsonl"
 # TensorBoard lists a file as an event file when its name contains "tfevents".
@@ -121,8 +124,10 @@ class EventWriter:
     Each `scalars` call is one event (all its tags at one step and wall time) and one JSON line
     `{"step": s, "wall_time": t, tag: value, ...}` appended to `<logdir>/metrics.jsonl`; both
     files are flushed after every call so a crashed run loses nothing and a reader sees every
-    step logged so far. A resumed run opens a new event file and appends to the same jsonl;
-    readers keep the last value written for a (tag, step). Not thread-safe.
+    step logged so far. A resumed run opens a new event file and appends to the same jsonl, after
+    removing a torn last line (a writer killed mid-line, `repair_json_lines`) so that the next
+    record starts on a line of its own; readers keep the last value written for a (tag, step).
+    Not thread-safe.
     """
 
     def __init__(self, logdir: str | os.PathLike):
@@ -133,7 +138,9 @@ class EventWriter:
         name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_writer_ids)}"
         self.path = os.path.join(self.logdir, name)
         self._events = RecordWriter(open(self.path, "wb"))
-        self._jsonl = open(os.path.join(self.logdir, JSONL_NAME), "a", encoding="utf-8")
+        jsonl = os.path.join(self.logdir, JSONL_NAME)
+        repair_json_lines(jsonl)
+        self._jsonl = open(jsonl, "a", encoding="utf-8")
         self._closed = False
         self._write(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2"))
 
@@ -255,25 +262,95 @@ def read_scalars(logdir: str | os.PathLike) -> dict[str, list[tuple[int, float]]
     return {tag: sorted(by_step.items()) for tag, by_step in sorted(latest.items())}
 
 
+def _torn_tail(path: str, size: int, block: int = 1 << 16) -> tuple[int, bytes]:
+    """(offset, bytes) of the part of a file after its last newline."""
+    with open(path, "rb") as f:
+        end = size
+        tail = b""
+        while end > 0:
+            start = max(0, end - block)
+            f.seek(start)
+            tail = f.read(end - start) + tail
+            cut = tail.rfind(b"\n")
+            if cut >= 0:
+                return size - len(tail) + cut + 1, tail[cut + 1:]
+            end = start
+        return 0, tail
+
+
+def repair_json_lines(path: str | os.PathLike) -> int:
+    """Make a JSON lines file that a killed writer left without a final newline appendable again:
+    a last line that is a whole JSON object gets its newline, a torn one is cut off (with a
+    RuntimeWarning naming the file). Returns the number of bytes removed; a missing file is left
+    alone."""
+    path = os.fspath(path)
+    try:
+        size = os.path.getsize(path)
+    except OSError:
+        return 0
+    if size == 0:
+        return 0
+    offset, tail = _torn_tail(path, size)
+    if not tail:
+        return 0
+    try:
+        whole = isinstance(json.loads(tail.decode("utf-8")), dict)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        whole = False
+    if whole:
+        with open(path, "ab") as f:
+            f.write(b"\n")
+        return 0
+    with open(path, "r+b") as f:
+        f.truncate(offset)
+    warnings.warn(f"{path}: removed a torn last line ({len(tail)} bytes, a writer killed mid-line) before "
+                  "appending", RuntimeWarning, stacklevel=2)
+    return len(tail)
+
+
+def _numbered_json_lines(path: str) -> Iterator[tuple[int, dict]]:
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    for number, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw.decode("utf-8"))
+            if not isinstance(record, dict):
+                raise ValueError("not an object")
+        except ValueError:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            if number == len(lines):  # no newline after it: the last line of a writer killed mid-write
+                warnings.warn(f"{path}:{number}: skipped a torn last line ({len(raw)} bytes, a writer killed "
+                              "mid-line)", RuntimeWarning, stacklevel=2)
+                continue
+            raise ValueError(f"{path}:{number}: not a JSON record: {raw[:80]!r}") from None
+        yield number, record
+
+
+def read_json_lines(path: str | os.PathLike) -> list[dict]:
+    """The JSON objects of a JSON lines file, in order.
+
+    A last line without its newline that is not a whole JSON object (a writer killed mid-line) is
+    skipped with a RuntimeWarning naming the file; any other line that is not a JSON object raises
+    a ValueError naming the file and the line.
+    """
+    return [record for _, record in _numbered_json_lines(os.fspath(path))]
+
+
 def read_jsonl(logdir: str | os.PathLike) -> list[dict]:
     """The records of `<logdir>/metrics.jsonl`, one per step, sorted by step.
 
     Records of one step are merged in file order, later values replacing earlier ones (a
     resumed run re-logs steps; a training step and an eval at the same step are two records).
-    Non-finite values read back as None. A truncated last line is ignored.
+    Non-finite values read back as None. A torn last line is skipped with a warning; a malformed
+    line elsewhere, or a record without a step, is a ValueError naming the file and line
+    (`read_json_lines`).
     """
     path = os.path.join(os.fspath(logdir), JSONL_NAME)
     merged: dict[int, dict] = {}
-    with open(path, encoding="utf-8") as f:
-        lines = f.read().split("\n")
-    for number, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            if number == len(lines) - 1:  # the last line of a writer killed mid-write
-                continue
-            raise ValueError(f"{path}:{number + 1}: not a JSON record: {line[:80]!r}") from None
-        merged.setdefault(int(record["step"]), {}).update(record)
+    for number, record in _numbered_json_lines(path):
+        step = record.get("step")
+        if isinstance(step, bool) or not isinstance(step, (int, float)):
+            raise ValueError(f"{path}:{number}: a record without a step: {json.dumps(record)[:80]}")
+        merged.setdefault(int(step), {}).update(record)
     return [merged[step] for step in sorted(merged)]

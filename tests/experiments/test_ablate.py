@@ -282,6 +282,42 @@ def test_single_seed_and_missing_runs(tmp_path):
     ablate.plot_ablation(data, str(tmp_path / "f.png"))
 
 
+def test_table_only_reads_a_run_killed_mid_line_and_resumed(tmp_path, capsys):
+    run = tmp_path / "runs" / "loss=grpo" / "seed0"
+    fake_run(run, [(0, 0.1, 0.2, 30.0)], completed=False, fresh=False)
+    with open(run / "tb" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "eval/pa')  # killed mid-line
+    with pytest.warns(RuntimeWarning):
+        writer = EventWriter(run / "tb")  # the resumed run
+    with writer:
+        writer.scalars(10, {"eval/pass@1": 0.3, "eval/best_of_16": 0.5, "eval/length": 28.0})
+    (run / "summary.json").write_text(json.dumps({"completed": True, "seconds": 60.0, "steps_done": 10}))
+    rc = ablate.main([f"--config={CONFIG}", "--sweep=loss:grpo", f"--out_dir={tmp_path / 'runs'}",
+                      f"--results_dir={tmp_path / 'results'}", "--table_only"])
+    assert rc == 0
+    data = json.loads((tmp_path / "results" / "ablate_loss.json").read_text())
+    assert data["runs"][0]["curves"]["eval/pass@1"] == [[0, 0.1], [10, 0.3]]
+    assert "| loss=grpo | 1/1 | 0.300 |" in capsys.readouterr().out
+
+
+def test_a_run_the_trainer_refuses_is_recorded_with_its_one_line_reason(tmp_path, capsys, monkeypatch):
+    """The real trainer refuses to resume a started run whose saved config differs (exit 2); the
+    grid records the failure with that line and goes on."""
+    run = tmp_path / "runs" / "loss=grpo" / "seed0"
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"seed": 3}))
+    monkeypatch.chdir(ROOT)
+    rc = ablate.main(["--config=configs/grpo_synth.py", "--sweep=loss:grpo", f"--out_dir={tmp_path / 'runs'}",
+                      f"--results_dir={tmp_path / 'results'}"])
+    assert rc == 1
+    status = json.loads((run / ablate.STATUS_FILE).read_text())
+    assert status["status"] == "failed" and status["returncode"] == 2
+    assert status["log_tail"].splitlines()[-1].startswith("config error: resume: the config differs")
+    md = (tmp_path / "results" / "ablate_loss.md").read_text()
+    assert "loss=grpo seed 0: failed (exit 2): `config error: resume:" in md
+    assert json.loads((run / "config.json").read_text()) == {"seed": 3}
+
+
 # ------------------------------------------------------------------------------ running (a fake trainer)
 
 

@@ -1,9 +1,12 @@
-"""The README's main-job command, shrunk by flags to a few steps of a tiny model."""
+"""The README's main-job command, shrunk by flags to a few steps of a tiny model; config errors
+are one line on stderr and exit status 2."""
 
 import json
 import os
 import subprocess
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -42,3 +45,49 @@ def test_async_flag_alias():
         "x", "--config.rollout.async_mode=True", "--config.seed=1"]
     assert translate_aliases(["--config.rollout.async"]) == ["--config.rollout.async_mode"]
     assert translate_aliases(["--config.rollout.asyncx=1"]) == ["--config.rollout.asyncx=1"]
+
+
+def run_train(*flags):
+    cmd = [sys.executable, "-m", "experiments.train", *flags]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def assert_one_line_error(out, *texts):
+    assert out.returncode == 2, out.stderr[-3000:]
+    lines = [line for line in out.stderr.splitlines() if line.startswith("config error:")]
+    assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    for text in texts:
+        assert text in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "flag, texts",
+    [
+        ("--config.rollout.grup_size=4", ["unknown config field 'rollout.grup_size'", "rollout.group_size"]),
+        ("--config.optim.lr=nan", ["optim.lr=nan"]),
+        ("--config.task.num_train=0", ["task.num_train=0"]),
+        ("--config.seed=-1", ["seed=-1"]),
+        ("--config.rollout.group_size=1000000", ["estimated peak memory", "reduce rollout.group_size"]),
+        ("--config.rollout.group_size=1.5", ["rollout.group_size=1.5"]),
+    ],
+)
+def test_config_errors_are_one_line_and_exit_2(tmp_path, flag, texts):
+    run = tmp_path / "run"
+    out = run_train("--config=configs/grpo_synth.py", f"--config.workdir={run}",
+                    f"--config.sft.cache_dir={tmp_path / 'sft'}", *TINY, "--config.train.steps=1", flag)
+    assert_one_line_error(out, *texts)
+    assert not run.exists() and not (tmp_path / "sft").exists()  # refused before the warm start
+
+
+def test_agent_config_errors_and_a_changed_resume_are_refused(tmp_path):
+    out = run_train("--config=configs/agent_repo.py", "--config.agent.max_turn=3", f"--config.workdir={tmp_path}")
+    assert_one_line_error(out, "agent.max_turn", "agent.max_turns")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"seed": 0, "job": "synth"}))
+    out = run_train("--config=configs/grpo_synth.py", f"--config.workdir={run}", *TINY, "--config.seed=5",
+                    "--config.resume=True")
+    line = assert_one_line_error(out, "resume: the config differs", "seed 0 -> 5", "resume_override")
+    assert "job \"synth\" -> (absent)" in line
+    assert json.loads((run / "config.json").read_text()) == {"seed": 0, "job": "synth"}

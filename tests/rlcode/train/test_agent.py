@@ -5,6 +5,8 @@ the tokens it sampled (prefilled turn by turn, with documents copied from their 
 attention) must equal those the train step recomputes from the finished episode's sequence with
 its segment layout."""
 
+import json
+import math
 import os
 import sys
 
@@ -15,9 +17,12 @@ import pytest
 from flax import nnx
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "envs"))
+sys.path.insert(0, os.path.dirname(__file__))
 from local_executor import LocalExecutor  # noqa: E402
 
 from configs.agent_repo import get_config  # noqa: E402
+from field_checks import check_every_field  # noqa: E402
+from rlcode.checks import ConfigError  # noqa: E402
 from rlcode.envs import harness, repo_tasks  # noqa: E402
 from rlcode.models.attention import AttentionMask  # noqa: E402
 from rlcode.models.transformer import init_model, model_config  # noqa: E402
@@ -164,6 +169,67 @@ def test_config_errors():
         agent.validate_config(cfg)
     with pytest.raises(ValueError, match="levels"):
         get_config("levels=4")
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("task.num_train", 0, "task.num_train=0: must be an integer >= 1"),
+        ("seed", -1, "seed=-1"),
+        ("optim.lr", math.nan, "optim.lr=nan"),
+        ("sampling.temperature", 0.0, "sampling.temperature=0.0"),
+        ("eval.num_samples", 0, "eval.num_samples=0"),
+        ("eval.batch_rows", 0, "eval.batch_rows=0"),
+        ("sandbox.timeout", -1.0, "sandbox.timeout=-1.0"),
+        ("train.max_minutes", math.inf, "train.max_minutes=inf"),
+        ("agent.max_turns", 0, "agent.max_turns=0"),
+        ("agent.prefill", "some", "agent.prefill='some'"),
+        ("agent.tools", ("read_file", "submit", "teleport"), "item 2 ('teleport')"),
+        ("agent.max_response_tokens", 4000, "agent.max_context_tokens=3072"),
+        ("reward.length_growth", 0.5, "reward.length_growth"),
+        ("reward.hack_flags", ("tampered", "nope"), "reward.hack_flags"),
+        ("task.num_demos", 5000, "task.num_demos=5000"),
+        ("rollout.prompts_per_step", 5000, "task.num_train=2000"),
+        ("advantage.estimator", "gae", "advantage.estimator='gae'"),
+        ("loss.kl_penalty", "reward", "loss.kl_penalty='reward'"),
+        ("train.microbatches", 3, "train.microbatches=3"),
+        ("rollout.grup_size", 4, "unknown config field 'rollout.grup_size'; did you mean rollout.group_size?"),
+        ("rollout.group_size", 10**5, "reduce rollout.group_size"),
+    ],
+)
+def test_agent_config_values_are_checked_like_the_main_job(field, value, message):
+    cfg = tiny("squid")
+    *path, last = field.split(".")
+    node = cfg
+    for name in path:
+        node = node[name]
+    node[last] = value
+    with pytest.raises(ConfigError) as e:
+        agent.validate_config(cfg, 1)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_every_field_of_the_agent_job_is_checked():
+    paths = check_every_field(tiny("squid"), lambda c: agent.validate_config(c, 1))
+    assert "agent.tools" in paths and "reward.hack_flags" in paths and "train.max_minutes" in paths
+
+
+def test_agent_resume_refuses_a_changed_config(tmp_path):
+    cfg = tiny("squid")
+    cfg.workdir = str(tmp_path / "run")
+    agent.prepare_workdir(cfg)
+    saved = (tmp_path / "run" / "config.json").read_text()
+    changed = tiny("squid")
+    changed.workdir, changed.resume, changed.seed = cfg.workdir, True, 3
+    changed.reward.turn_weight = 0.5
+    with pytest.raises(ConfigError) as e:
+        agent.run(changed, pool=LocalExecutor(), log=lambda m: None)
+    assert "seed 0 -> 3" in str(e.value) and "reward.turn_weight 0.02 -> 0.5" in str(e.value)
+    assert (tmp_path / "run" / "config.json").read_text() == saved
+    changed.seed, changed.reward.turn_weight = 0, 0.02
+    changed.train.max_minutes, changed.train.steps = 90.0, 400  # a longer run: allowed
+    agent.prepare_workdir(changed)
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["train"]["max_minutes"] == 90.0
 
 
 def test_agent_job_end_to_end_and_report(tmp_path):

@@ -2,6 +2,7 @@
 PPO, config validation, a device mesh, and a sandbox worker dying mid-step."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -10,12 +11,15 @@ import time
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 import tiny_job  # noqa: E402  (the tiny config; also the script the subprocess tests run)
+from field_checks import check_every_field  # noqa: E402
 
+from rlcode.checks import ConfigError  # noqa: E402
 from rlcode.train import loop  # noqa: E402
 from rlcode.train.checkpoint import Checkpointer  # noqa: E402
 from rlcode.train.metrics import read_jsonl, read_scalars  # noqa: E402
@@ -54,6 +58,96 @@ def test_bad_config_fails_at_start_naming_the_field(tmp_path, overrides, devices
     cfg = tiny_job.tiny_config(tmp_path, **overrides)
     with pytest.raises(ValueError, match=message.replace(".", r"\.").replace("(", r"\(")):
         loop.validate_config(cfg, devices)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"task__num_train": 0}, "task.num_train=0: must be an integer >= 1"),
+        ({"seed": -1}, "seed=-1: must be an integer >= 0"),
+        ({"task__seed": -3}, "task.seed=-3"),
+        ({"optim__lr": math.nan}, "optim.lr=nan: must be a finite number > 0"),
+        ({"optim__lr": math.inf}, "optim.lr=inf"),
+        ({"sampling__temperature": 0.0}, "sampling.temperature=0.0"),
+        ({"sampling__top_p": 1.5}, "sampling.top_p=1.5"),
+        ({"eval__num_samples": 0}, "eval.num_samples=0"),
+        ({"reward__timeout": 0.0}, "reward.timeout=0.0"),
+        ({"reward__tests": "most"}, "reward.tests='most'"),
+        ({"sandbox__workers": 0}, "sandbox.workers=0"),
+        ({"model__dtype": "float64"}, "model.dtype='float64'"),
+        ({"model__num_kv_heads": 3}, "num_kv_heads=3"),
+        ({"loss__dual_clip": 0.5}, "loss.dual_clip=0.5"),
+        ({"rollout__grup_size": 4}, "unknown config field 'rollout.grup_size'; did you mean rollout.group_size?"),
+        ({"optimizer": 0.1}, "unknown config field 'optimizer'; did you mean optim?"),
+        ({"shaping__overlong_cache_length": 100}, "shaping.overlong_cache_length=100"),
+        ({"rollout__prompts_per_step": 30}, "task.num_train=24"),
+        ({"rollout__group_size": 10**6}, "reduce rollout.group_size"),
+    ],
+)
+def test_every_bad_value_is_a_config_error_naming_the_field(tmp_path, overrides, message):
+    cfg = tiny_job.tiny_config(tmp_path, **overrides)
+    with pytest.raises(ConfigError) as e:
+        loop.validate_config(cfg, 1)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_every_field_of_the_synthesis_job_is_checked(tmp_path):
+    paths = check_every_field(tiny_job.tiny_config(tmp_path, arg="loss=ppo"), lambda c: loop.validate_config(c, 1))
+    assert "loss.dual_clip" in paths and "mesh.rules" in paths and len(paths) > 80
+
+
+def test_an_absurd_group_size_is_refused_before_the_warm_start(tmp_path):
+    cfg = tiny_job.tiny_config(tmp_path / "run", sft__steps=2, rollout__group_size=10**6)
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError, match=r"estimated peak memory .* reduce rollout\.group_size"):
+        loop.run(cfg)
+    assert time.perf_counter() - t0 < 30
+    assert not (tmp_path / "run").exists()  # no workdir, no warm start, no sandbox
+
+
+def test_resume_refuses_a_changed_config_naming_every_field(tmp_path):
+    run = tmp_path / "run"
+    cfg = tiny_job.tiny_config(run, steps=2)
+    loop.prepare_workdir(cfg)
+    saved = (run / "config.json").read_text()
+    changed = tiny_job.tiny_config(run, steps=2, seed=1, optim__lr=1e-5, reward__tests="all_pass",
+                                   task__levels=(1, 2), resume=True)
+    with pytest.raises(ConfigError) as e:
+        loop.run(changed)  # refused before anything is built
+    message = str(e.value)
+    assert "differs from the run's" in message and "in 4 field(s)" in message and "\n" not in message
+    for change in ("seed 0 -> 1", "optim.lr 0.0003 -> 1e-05", 'reward.tests "pass_fraction" -> "all_pass"',
+                   "task.levels [1] -> [1, 2]", "--config.resume_override=True"):
+        assert change in message, message
+    assert (run / "config.json").read_text() == saved  # never overwritten before the check passes
+    assert not (run / "config_history").exists()
+
+    # A longer run, another sandbox size: allowed (the schedule length follows train.steps).
+    longer = tiny_job.tiny_config(run, steps=5, sandbox__workers=1, resume=True)
+    loop.prepare_workdir(longer)
+    assert json.loads((run / "config.json").read_text())["train"]["steps"] == 5
+    (first,) = sorted((run / "config_history").glob("*.json"))
+    record = json.loads(first.read_text())
+    assert set(record["changes"]) == {"resume", "train.steps", "optim.total_steps", "sandbox.workers"}
+    assert record["config"] == json.loads(saved) and record["override"] is False
+
+    # An explicit override is accepted and recorded with the config it replaced.
+    changed = tiny_job.tiny_config(run, steps=5, seed=1, optim__lr=1e-5, resume=True, resume_override=True)
+    said = []
+    loop.prepare_workdir(changed, log=said.append)
+    new = json.loads((run / "config.json").read_text())
+    assert new["seed"] == 1 and new["optim"]["lr"] == 1e-5
+    second = sorted((run / "config_history").glob("*.json"))[1]
+    record = json.loads(second.read_text())
+    assert record["override"] is True and record["changes"]["seed"] == [0, 1]
+    assert record["config"]["train"]["steps"] == 5 and record["config"]["seed"] == 0
+    assert "resume_override" in said[0] and "seed" in said[0]
+
+    # The schedule length may not change on its own.
+    alone = ml_collections.ConfigDict(tiny_job.tiny_config(run, steps=5, seed=1, optim__lr=1e-5, resume=True).to_dict())
+    alone.optim.total_steps = 50  # no longer the reference to train.steps
+    with pytest.raises(ConfigError, match="optim.total_steps 5 -> 50"):
+        loop.prepare_workdir(alone)
 
 
 def test_unknown_recipe_in_config_argument_names_it():

@@ -6,10 +6,12 @@ matrix, and event files / metrics.jsonl read back by our readers and by TensorBo
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
 import time
+import warnings
 from fractions import Fraction
 
 import jax.numpy as jnp
@@ -17,7 +19,8 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing import plugin_event_accumulator
 
-from rlcode.train.metrics import EventWriter, eval_summary, pass_at_k, read_jsonl, read_scalars
+from rlcode.train.metrics import (EventWriter, eval_summary, pass_at_k, read_json_lines, read_jsonl, read_scalars,
+                                  repair_json_lines)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -178,12 +181,62 @@ def test_truncated_tail_is_ignored_and_corruption_raises(tmp_path):
     with open(path, "ab") as f:
         f.write(b"\x20\x00\x00")  # ... and mid-record
     assert read_scalars(tmp_path) == {"loss": [(0, 1.0), (1, 2.0)]}
-    assert [r["step"] for r in read_jsonl(tmp_path)] == [0, 1]
+    with pytest.warns(RuntimeWarning, match="torn last line"):
+        assert [r["step"] for r in read_jsonl(tmp_path)] == [0, 1]
     data = bytearray(open(path, "rb").read())
     data[-12] ^= 0xFF  # a bit of the last complete record's payload
     open(path, "wb").write(bytes(data))
     with pytest.raises(ValueError, match="corrupted record"):
         read_scalars(tmp_path)
+
+
+def test_a_run_killed_mid_line_is_readable_and_resumable(tmp_path):
+    jsonl = tmp_path / "metrics.jsonl"
+    with EventWriter(tmp_path) as writer:
+        writer.scalars(0, {"loss": 1.0})
+        writer.scalars(1, {"loss": 2.0})
+    with open(jsonl, "a") as f:
+        f.write('{"step": 2, "lo')  # SIGKILL mid-write
+    # Every reader skips the torn last line, with a warning naming the file.
+    with pytest.warns(RuntimeWarning, match=re.escape(str(jsonl)) + ":3: skipped a torn last line"):
+        assert [r["step"] for r in read_jsonl(tmp_path)] == [0, 1]
+    # The resumed run's writer cuts it off, so its records start on lines of their own.
+    with pytest.warns(RuntimeWarning, match="removed a torn last line"):
+        writer = EventWriter(tmp_path)
+    with writer:
+        writer.scalars(2, {"loss": 3.0})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert [(r["step"], r["loss"]) for r in read_jsonl(tmp_path)] == [(0, 1.0), (1, 2.0), (2, 3.0)]
+    assert jsonl.read_text().endswith('"loss": 3.0}\n')
+    # A whole record that lost only its newline is kept.
+    with open(jsonl, "a") as f:
+        f.write('{"step": 3, "loss": 4.0}')
+    with EventWriter(tmp_path) as writer:
+        writer.scalars(4, {"loss": 5.0})
+    assert [r["step"] for r in read_jsonl(tmp_path)] == [0, 1, 2, 3, 4]
+    assert repair_json_lines(jsonl) == 0 and repair_json_lines(tmp_path / "missing.jsonl") == 0
+
+
+def test_a_malformed_line_in_the_middle_is_an_error_naming_file_and_line(tmp_path):
+    with EventWriter(tmp_path) as writer:
+        for step in range(3):
+            writer.scalars(step, {"loss": float(step)})
+    jsonl = tmp_path / "metrics.jsonl"
+    lines = jsonl.read_text().splitlines(keepends=True)
+    jsonl.write_text(lines[0] + '{"step": 1, "lo\n' + lines[2])
+    with pytest.raises(ValueError, match=re.escape(f"{jsonl}:2: not a JSON record")):
+        read_jsonl(tmp_path)
+    jsonl.write_text(lines[0] + '{"loss": 1.0}\n' + lines[2])
+    with pytest.raises(ValueError, match=re.escape(f"{jsonl}:2: a record without a step")):
+        read_jsonl(tmp_path)
+    other = tmp_path / "episodes.jsonl"  # any JSON lines file, e.g. the agent's recorded turns
+    other.write_text('{"step": 0, "turns": []}\n{"step": 10, "tu')
+    with pytest.warns(RuntimeWarning, match=re.escape(str(other))):
+        assert read_json_lines(other) == [{"step": 0, "turns": []}]
+    other.write_text('{"step": 0}\n[1, 2]\n')
+    with pytest.raises(ValueError, match=re.escape(f"{other}:2")):
+        read_json_lines(other)
 
 
 def test_tensorflow_is_never_imported(tmp_path):
