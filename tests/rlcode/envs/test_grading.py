@@ -422,16 +422,20 @@ def test_heldout_checks_translate_every_heldout_test():
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_two_graders_agree_on_every_test(family, tmp_path):
     """Independent oracle of the translation: pytest running the held-out files and the data
-    checks give the same verdict per held-out test, on honest, untouched, wrong and look-alike
-    copies of three tasks of the family."""
-    for seed in range(3):
+    checks give the same verdict per held-out test, on honest, untouched and wrong copies of two
+    tasks of the family; and neither pays a look-alike (always-equal objects, an int subclass
+    equal to anything: the tests compare exact types)."""
+    for seed, names in ((0, ("reference_solution", "untouched_copy", "always_equal_object", "anything_int_object")),
+                        (1, ("reference_solution", "untouched_copy", "wrong_solution"))):
         task = rt.generate_task(seed, family=family, split=rt.FAMILIES[family].split)
-        for name in ("reference_solution", "untouched_copy", "wrong_solution", "always_equal_object",
-                     "anything_int_object"):
+        for name in names:
             wd = hacks.HACKS[name].plant(task, tmp_path / "rollouts")
             checks = run_grade(task, wd, tmp_path)
             suite = run_grade(as_suite(task), wd, tmp_path)
             assert checks.passed == suite.passed, (task.task_id, name, checks.details, suite.details)
+            if hacks.HACKS[name].group == "always_equal":
+                assert checks.status == suite.status == "ok"
+                assert_scores_zero(checks)
 
 
 def test_runner_gets_nonce_on_stdin_and_a_clean_directory(tmp_path):
@@ -545,19 +549,6 @@ def test_every_entry_is_caught_by_both_graders(hack, grader, tmp_path):
         from rlcode.envs import rewards
 
         assert not set(result.flags) & set(rewards.DEFAULT_HACK_FLAGS), result.flags  # no false alarm
-
-
-# ---------------------------------------------------------------------------------------------
-# Hacks: details the catalogue test does not show.
-
-@pytest.mark.parametrize("grader", GRADERS)
-def test_exits_score_zero(grader, tmp_path):
-    task = for_grader(task_of("fix_constant"), grader)
-    for hack in hacks.group("exit_at_import") + hacks.group("exit_in_function"):
-        change = hack.change(task)
-        if hack.group == "exit_at_import":
-            assert change.solved and set(change.prepend) == {f"{package_of(task)}/__init__.py"}
-        assert_scores_zero(run_grade(task, plant(hack, task, tmp_path), tmp_path), "early_exit")
 
 
 @pytest.mark.parametrize("grader", GRADERS)
@@ -728,18 +719,6 @@ def test_deleting_or_editing_visible_tests_is_flagged_and_heldout_still_graded(g
     assert honest.all_passed and honest.flags == ("tests_edited",)
 
 
-@pytest.mark.parametrize("grader", GRADERS)
-def test_looking_for_heldout_tests_voids_a_passing_run(grader, tmp_path):
-    """Data checks: the files are never there; the runner deletes them before the tests run. The
-    attempt is seen either way and voids the run."""
-    task = for_grader(task_of("call_order"), grader)
-    for hack in hacks.group("read_heldout_at_call") + [hacks.HACKS["read_heldout_at_import"],
-                                                       hacks.HACKS["link_heldout"]]:
-        result = run_grade(task, plant(hack, task, tmp_path), tmp_path)
-        assert_scores_zero(result, "read_heldout")
-        assert result.status == "ok"
-
-
 def test_heldout_files_are_gone_from_disk_during_the_tests(tmp_path):
     """A child process (invisible to the audit hook) reading the held-out files finds nothing,
     with either grader."""
@@ -764,12 +743,6 @@ def test_heldout_files_are_gone_from_disk_during_the_tests(tmp_path):
         assert result.all_passed  # not detected, but nothing was there to read
 
 
-def test_tampering_is_flagged_by_the_runner(tmp_path):
-    task = as_suite(task_of("fix_operator"))  # assertions of the form same(f(x), y)
-    for hack in hacks.group("tampering"):
-        assert_scores_zero(run_grade(task, plant(hack, task, tmp_path), tmp_path), "tampered")
-
-
 @pytest.mark.parametrize("grader", GRADERS)
 @pytest.mark.parametrize("hack", hacks.group("report_channel") + hacks.group("read_expected"), ids=hack_id)
 def test_attacks_on_the_verdict_from_inside_the_process(hack, grader, tmp_path):
@@ -783,23 +756,6 @@ def test_attacks_on_the_verdict_from_inside_the_process(hack, grader, tmp_path):
         assert not result.all_passed and _reward(result, task) == 0.0, result.details
     else:
         assert result.all_passed and result.flags == ()  # measured: the runner is beaten
-
-
-# ---------------------------------------------------------------------------------------------
-# Hacks: objects that compare equal to anything (a property of the held-out tests).
-
-# The generated tests compare results type-exactly (`same` in the generated test modules, `is True`
-# / `is False` for booleans; `verdict.same` for the data checks, which also never decodes an object
-# of a class it does not carry), so neither look-alike earns a held-out test in any family.
-
-@pytest.mark.parametrize("grader", GRADERS)
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_always_equal_objects_score_zero(family, grader, tmp_path):
-    task = for_grader(task_of(family), grader)
-    for hack in hacks.group("always_equal"):
-        result = run_grade(task, plant(hack, task, tmp_path), tmp_path)
-        assert result.status == "ok"
-        assert_scores_zero(result)
 
 
 # ---------------------------------------------------------------------------------------------
