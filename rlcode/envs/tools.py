@@ -419,17 +419,12 @@ def list_dir(ws: Workspace, path: str = ".") -> str:
     return f"{path}:\n{body}" + (f"\n[... {more} more entries]" if more else "")
 
 
-# Runs in the copy through the executor: argv = pattern, path, regex flag, caps.
-_GREP_SCRIPT = r'''
-import os, re, sys
-pattern, top, regex, max_matches, max_chars, max_bytes = sys.argv[1:7]
-max_matches, max_chars, max_bytes = int(max_matches), int(max_chars), int(max_bytes)
-match = re.compile(pattern).search if regex == "1" else (lambda line: pattern in line)
-def files():
-    if os.path.isfile(top) and not os.path.islink(top):
-        yield top
-        return
-    stack = [top]  # an explicit stack: os.walk recurses, and a copy may be thousands of levels deep
+# Defined in the scripts below, which run in the copy through the executor: the entries of a
+# tree that are not directories, walked with an explicit stack (os.walk recurses, and a copy may be
+# thousands of levels deep), never into a symlink, a hidden directory or __pycache__.
+_WALK = r'''
+def walk(top):
+    stack = [top]
     while stack:
         try:
             entries = sorted(os.scandir(stack.pop()), key=lambda e: e.name)
@@ -437,14 +432,28 @@ def files():
             continue
         subdirs = []
         for e in entries:
-            if e.is_symlink():
-                continue
             if e.is_dir():
-                if not e.name.startswith(".") and e.name != "__pycache__":
+                if not e.is_symlink() and not e.name.startswith(".") and e.name != "__pycache__":
                     subdirs.append(e.path)
-            elif e.is_file():
-                yield e.path
+            else:
+                yield e
         stack.extend(reversed(subdirs))
+'''
+
+# argv = pattern, path, regex flag, caps.
+_GREP_SCRIPT = r'''
+import os, re, sys
+pattern, top, regex, max_matches, max_chars, max_bytes = sys.argv[1:7]
+max_matches, max_chars, max_bytes = int(max_matches), int(max_chars), int(max_bytes)
+match = re.compile(pattern).search if regex == "1" else (lambda line: pattern in line)
+''' + _WALK + r'''
+def files():
+    if os.path.isfile(top) and not os.path.islink(top):
+        yield top
+        return
+    for e in walk(top):
+        if not e.is_symlink() and e.is_file():
+            yield e.path
 found = 0
 for p in files():
     try:
@@ -524,21 +533,8 @@ def run_tests(ws: Workspace, paths: list[str] | None = None) -> str:
 # Runs in the copy through the executor: argv = the files to check (default: every .py file).
 _LINT_SCRIPT = r'''
 import os, sys
-paths = sys.argv[1:]
-stack = [] if paths else ["."]  # an explicit stack: os.walk recurses
-while stack:
-    try:
-        entries = sorted(os.scandir(stack.pop()), key=lambda e: e.name)
-    except OSError:
-        continue
-    subdirs = []
-    for e in entries:
-        if e.is_dir():
-            if not e.name.startswith(".") and e.name != "__pycache__" and not e.is_symlink():
-                subdirs.append(e.path)
-        elif e.name.endswith(".py"):
-            paths.append(os.path.normpath(e.path))
-    stack.extend(reversed(subdirs))
+''' + _WALK + r'''
+paths = sys.argv[1:] or [os.path.normpath(e.path) for e in walk(".") if e.name.endswith(".py")]
 try:
     from pyflakes import api, reporter
 except ImportError:
