@@ -138,8 +138,8 @@ def risky():
         with open("/proc/sys/user/max_user_namespaces", "w") as f:
             f.write("100")
 
-    def raw_clone(flags):
-        ret = libc.syscall(ctypes.c_long(NR["clone"]), ctypes.c_ulong(flags | 17), 0, 0, 0, 0)
+    def cloned(ret):
+        """The outcome of a raw clone: the child exits at once, the parent reaps it."""
         if ret == 0:
             os._exit(0)
         if ret < 0:
@@ -147,15 +147,12 @@ def risky():
         os.waitpid(ret, 0)
         return "ok"
 
+    def raw_clone(flags):
+        return cloned(libc.syscall(ctypes.c_long(NR["clone"]), ctypes.c_ulong(flags | 17), 0, 0, 0, 0))
+
     def clone3(flags):
         args = ctypes.create_string_buffer(struct.pack("QQQQQQQQ", flags, 0, 0, 0, 17, 0, 0, 0))
-        ret = libc.syscall(ctypes.c_long(NR["clone3"]), args, ctypes.c_size_t(64))
-        if ret == 0:
-            os._exit(0)
-        if ret < 0:
-            return errno.errorcode.get(ctypes.get_errno(), "E?")
-        os.waitpid(ret, 0)
-        return "ok"
+        return cloned(libc.syscall(ctypes.c_long(NR["clone3"]), args, ctypes.c_size_t(64)))
 
     out["raise_userns_limit"] = err(write_limit)
     out["clone_newuser"] = raw_clone(0x10000000)
