@@ -10,7 +10,7 @@ Per sequence length T (B, N, K, H from flags; defaults N=4, K=1, H=64):
   dense         causal attention, `jax.nn.dot_product_attention` (XLA; the baseline of every ratio)
   dense_cudnn   the same through cuDNN (GPU only, impl `cudnn`)
   flash         `kernels.flash.flash_attention`, causal (chunked XLA reference / Triton kernel)
-  nsa           `kernels.nsa.nsa_attention`, REFERENCE.md §7 defaults (l=32, d=16, l'=64, n=16,
+  nsa           `kernels.nsa.nsa_attention`, docs/reference.md §7 defaults (l=32, d=16, l'=64, n=16,
                 w=512), random compressed keys/values and gates (the op, not the compression MLP)
   squid         `kernels.squid.squid_attention` over T/doc_len documents of doc_len tokens
 

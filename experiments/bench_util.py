@@ -1,4 +1,4 @@
-"""Compiling and timing shared by the benchmark scripts (ARCHITECTURE.md, Conventions 6)."""
+"""Compiling and timing shared by the benchmark scripts (docs/architecture.md, convention 6)."""
 
 from __future__ import annotations
 

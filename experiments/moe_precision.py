@@ -12,7 +12,7 @@ precision with the same seed, the same initial parameters and the same batches:
   bf16    activations and expert GEMMs in bfloat16 (float32 accumulation), router in float32
   mxfp8   the same, but every expert GEMM (forward, input gradient and weight gradient) goes
           through the MXFP8 emulation of `kernels.moe_gemm` (E4M3 elements, E8M0 scales per 32
-          along each GEMM's contracting axis, RCEIL; REFERENCE.md §9)
+          along each GEMM's contracting axis, RCEIL; docs/reference.md §9)
 
 Parameters are float32 (AdamW master weights) in both. Logged per step: train loss (next-token
 cross-entropy, nats/byte), the MoE aux and z losses; every `--eval_every` steps the loss on a

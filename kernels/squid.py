@@ -1,6 +1,6 @@
 """Squid attention: document-level attention whose per-document keys and values are reusable.
 
-A packed sequence holds documents D_1..D_m and one global segment (REFERENCE.md §8):
+A packed sequence holds documents D_1..D_m and one global segment (docs/reference.md §8):
 
 * a document token attends causally within its own document only;
 * a global token attends to every token of every document, and causally within the global
@@ -13,7 +13,7 @@ and reused in any subset and order; only the global segment is computed per requ
 Shapes: q [B,T,N,H]; k, v [B,T,K,H] (GQA: query head n reads kv head n // (N // K));
 segment_ids [B,T] int32 (document index, -1 = padding); is_global [B,T] bool.
 
-Faces (ARCHITECTURE.md, "Kernels"):
+Faces (docs/architecture.md, "Kernels"):
 
 * `squid_attention_reference` – XLA. The sequence is cut into blocks of `block` tokens; each
   query block loops (a `while` loop with data-dependent bounds) only over the key blocks between
@@ -235,7 +235,7 @@ def squid_attention_triton(q, k, v, segment_ids, is_global, *, scale=None, **blo
 
 
 def squid_attention(q, k, v, segment_ids, is_global, *, scale=None, impl="auto"):
-    """Squid attention over a packed sequence (REFERENCE.md §8); impl 'auto' | 'xla' | 'triton'."""
+    """Squid attention over a packed sequence (docs/reference.md §8); impl 'auto' | 'xla' | 'triton'."""
     if _triton.use_triton(impl):
         return squid_attention_triton(q, k, v, segment_ids, is_global, scale=scale)
     return squid_attention_reference(q, k, v, segment_ids, is_global, scale=scale)

@@ -1,4 +1,4 @@
-"""Advantage estimators and reward shaping (REFERENCE.md §1, §4).
+"""Advantage estimators and reward shaping (docs/reference.md §1, §4).
 
 All functions are pure, jittable and vmappable. Statistics are computed in float32 (or float64
 when x64 is enabled and the input is float64) whatever the input dtype, and results are returned

@@ -1,6 +1,6 @@
 """Policy losses, off-policy corrections, KL, value loss, entropy and aggregation.
 
-Implements REFERENCE.md §2–§5 exactly. Every loss is minimised and comes in two forms:
+Implements docs/reference.md §2–§5 exactly. Every loss is minimised and comes in two forms:
 
 * `*_terms(...) -> (numerator, denominator, metrics)` – the contract of §5: summing numerators
   and denominators over micro-batches (and data-parallel shards) and dividing once reproduces the
@@ -48,7 +48,7 @@ class PolicyLossConfig:
     kind: ppo | gspo | gspo_token | cispo | reinforce.
     clip_low, clip_high: the ratio is clipped to [1 - clip_low, 1 + clip_high].
     dual_clip: None, or c > 1: for A < 0 the loss is bounded by -c * A (ppo, gspo, gspo_token).
-    agg: aggregation mode of REFERENCE.md §5; norm_length: the L of seq-mean-token-sum-norm.
+    agg: aggregation mode of docs/reference.md §5; norm_length: the L of seq-mean-token-sum-norm.
     is_mode: none | tis | mis – correction for the behaviour/old-policy mismatch (§3), needs
       `behavior_logp`; is_level: token | sequence | geometric; is_cap: the TIS cap C;
       is_low, is_high: the MIS acceptance interval.
@@ -373,7 +373,7 @@ def policy_loss(
     config: Any,
     behavior_logp: jax.Array | None = None,
 ) -> tuple[jax.Array, Metrics]:
-    """Policy-gradient loss of REFERENCE.md §2 with the IS corrections of §3.
+    """Policy-gradient loss of docs/reference.md §2 with the IS corrections of §3.
 
     Args:
       logp: [B, T] log pi_theta of the sampled tokens (differentiated).

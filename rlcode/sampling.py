@@ -6,7 +6,7 @@ prefix cache (attention reads the prompt's keys once per group), while each row 
 cache of generated tokens. Rows are ordered group by group: row b belongs to prompt b // G, the
 layout `rlcode.advantages.group_advantages` expects.
 
-Documents (squid attention, REFERENCE.md §8): `encode_documents` computes each document's keys
+Documents (squid attention, docs/reference.md §8): `encode_documents` computes each document's keys
 and values at every layer once (`DocKV`); `document_context` lays any subset of them side by side
 for a batch of prompts, in `shared` or `sequential` positions (re-positioning a cached document
 is a RoPE rotation of its keys); `sample_with_context` prefills only the global tokens against
@@ -257,7 +257,7 @@ class DocumentContext(NamedTuple):
 
 
 def document_positions(lengths, mode: str, start: int = 0) -> tuple[list[int], int]:
-    """Start position of each document and of the global segment (REFERENCE.md §8):
+    """Start position of each document and of the global segment (docs/reference.md §8):
     `shared` – every document starts at `start`, the global segment after the longest one;
     `sequential` – documents take consecutive positions, the global segment follows them."""
     lengths = [int(n) for n in lengths]
@@ -276,7 +276,7 @@ def document_context(
 
     A document encoded at another position is moved by rotating its keys (values carry no
     position). S is the longest row's document tokens rounded up to `pad_to`. Only a squid model
-    has documents that are independent of each other (REFERENCE.md §8); any other raises."""
+    has documents that are independent of each other (docs/reference.md §8); any other raises."""
     kind = model.cfg.attention["kind"]
     if kind != "squid":
         raise ValueError(f"cached documents need attention.kind='squid' (a document's keys depend on the "

@@ -57,3 +57,22 @@ def test_readme_examples_run():
     for block in blocks:
         exec(compile(block, "README.md", "exec"), namespace)
     assert math.isfinite(float(namespace["loss"]))
+
+
+def test_the_repository_cites_only_its_own_documents():
+    """Every `docs/<name>.md` that code, tests or the README cite exists, and nothing cites a
+    reference or architecture file kept outside the repository."""
+    cited, outside = set(), []
+    for top in ("rlcode", "kernels", "experiments", "configs", "tests", "README.md"):
+        path = os.path.join(ROOT, top)
+        files = [path] if os.path.isfile(path) else [os.path.join(d, n) for d, _, names in os.walk(path)
+                                                     for n in names if n.endswith((".py", ".md"))]
+        for name in files:
+            text = open(name, encoding="utf-8").read()
+            cited |= set(re.findall(r"docs/[\w.-]+\.md", text))
+            if name != os.path.abspath(__file__):
+                outside += [name for _ in re.findall(r"\b(?:REFERENCE|ARCHITECTURE)\.md", text)]
+    assert not outside, sorted(set(outside))
+    assert {"docs/reference.md", "docs/architecture.md", "docs/threat_model.md"} <= cited
+    missing = [c for c in cited if not os.path.exists(os.path.join(ROOT, c))]
+    assert not missing, missing

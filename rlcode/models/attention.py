@@ -40,7 +40,7 @@ make_attention = ATTENTION.build
 ATTENTION_OPTIONS = {
     "dense": {},
     "squid": {"impl": "auto"},
-    # REFERENCE.md §7 defaults; cmp_hidden 0 = 2 * head_dim (width of the compression MLP).
+    # docs/reference.md §7 defaults; cmp_hidden 0 = 2 * head_dim (width of the compression MLP).
     "nsa": {"block_len": 32, "stride": 16, "select_size": 64, "num_select": 16, "window": 512, "shared_kv": True,
             "cmp_hidden": 0, "impl": "auto"},
 }
@@ -76,7 +76,7 @@ class AttentionMask(NamedTuple):
       neither may be given; with neither, every key is valid. The kv_lengths form keeps the mask
       implicit, which lets `jax.nn.dot_product_attention` pick a fused (cuDNN) kernel on GPU.
     is_global [B, T] bool: only read by squid attention, where segments are documents (-1 =
-      padding) and a global token sees every document (REFERENCE.md §8).
+      padding) and a global token sees every document (docs/reference.md §8).
     """
 
     segment_ids: jax.Array | None = None
@@ -224,7 +224,7 @@ class DenseAttention(nnx.Module):
 
 @register_attention("squid")
 class SquidAttention(DenseAttention):
-    """Document-level attention whose per-document keys/values are reusable (REFERENCE.md §8).
+    """Document-level attention whose per-document keys/values are reusable (docs/reference.md §8).
 
     Training / full forward: `mask.segment_ids` are document indices (-1 padding) and
     `mask.is_global` marks the global segment; without segment ids the whole sequence is one
@@ -250,7 +250,7 @@ class SquidAttention(DenseAttention):
 
 
 # ---------------------------------------------------------------------------------------------
-# NSA: Native Sparse Attention (Yuan et al. 2025, arXiv 2502.11089; REFERENCE.md section 7)
+# NSA: Native Sparse Attention (Yuan et al. 2025, arXiv 2502.11089; docs/reference.md §7)
 # ---------------------------------------------------------------------------------------------
 
 

@@ -2,7 +2,7 @@
 
 The policy's last layer maps hidden states h [B, T, D] to logits h @ W [B, T, V]. RL losses only
 need, per token, log pi(token) and (for an entropy bonus) the entropy H of the sampler's
-distribution (REFERENCE.md §4). With V ~ 1e5 the float32 logits, their softmax and their gradient
+distribution (docs/reference.md §4). With V ~ 1e5 the float32 logits, their softmax and their gradient
 dominate training memory; this module never forms them. The B*T token axis is cut into chunks of
 at most `chunk_size` rows; each chunk's logits are formed, reduced to per-token numbers and
 dropped, in the forward pass and again in the backward pass, where they are recomputed
@@ -329,7 +329,7 @@ def token_logprobs(
     pi = softmax(process_logits(hidden @ W, temperature, top_k, top_p)), the sampler's
     distribution; with top_k/top_p these are the support-masked behaviour log-probs. A token
     outside the support gets logp = -inf (its gradient is that of -logsumexp, i.e. the
-    gradient through the token's own logit is 0). Entropy (REFERENCE.md §4) is
+    gradient through the token's own logit is 0). Entropy (docs/reference.md §4) is
     H = -sum_{v in support} pi_v log pi_v (terms with pi_v = 0 count 0).
 
     Memory: the B*T rows are split into J = ceil(B*T / chunk_size) chunks of equal size

@@ -211,7 +211,7 @@ class Transformer(nnx.Module):
         return_kv: bool = False,
     ) -> ModelOutput:
         """New tokens against cached keys/values: the global segment of squid attention
-        (REFERENCE.md §8) against cached documents, or chunked prefill after a cached prefix.
+        (docs/reference.md §8) against cached documents, or chunked prefill after a cached prefix.
 
         tokens/positions [B, T] (right padding allowed); context: per layer the cached keys/values
         [B, S, K, H] (`rlcode.sampling.document_context`, a session cache); context_valid [B, S].

@@ -20,7 +20,7 @@
    over the G episodes of a task; each segment of an episode is one training sequence carrying
    its episode's advantage, with only the sampled tokens in the loss.
 
-**Documents** (`attention.kind="squid"`, REFERENCE.md §8): the full observation of every
+**Documents** (`attention.kind="squid"`, docs/reference.md §8): the full observation of every
 successful ``read_file`` call is a document. In the training forward its tokens attend only
 within itself (segment ids), every other token attends causally to everything before it; the
 sampler therefore encodes each distinct document once per batch of episodes (`encode_documents`)

@@ -10,7 +10,7 @@ Rewards (`reward_config`):
   * ``tests``: 1 if every held-out test passes (``tests="all_pass"``) or the fraction passed
     (``"pass_fraction"``);
   * ``overlong``: DAPO's soft overlong punishment when ``shaping.overlong_cache_length > 0``
-    (REFERENCE.md §3 of the objectives; `rlcode.advantages.overlong_penalty`);
+    (docs/reference.md §3; `rlcode.advantages.overlong_penalty`);
   * ``truncated``: ``-truncation_penalty`` for a row that hit ``max_new_tokens`` without its stop
     token (its body is cut, so it usually fails anyway; the term makes the reason visible).
 

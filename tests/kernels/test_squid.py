@@ -1,4 +1,4 @@
-"""Squid attention against a dense float64 oracle built from REFERENCE.md §8, both faces."""
+"""Squid attention against a dense float64 oracle built from docs/reference.md §8, both faces."""
 
 import jax
 import jax.numpy as jnp

@@ -1,6 +1,6 @@
 """Tests for rlcode.advantages against plain-Python/numpy float64 oracles.
 
-The oracles below are written from REFERENCE.md §1 (and DAPO eq. 13 for the overlong penalty),
+The oracles below are written from docs/reference.md §1 (and DAPO eq. 13 for the overlong penalty),
 one element at a time with Python loops, and never call the code under test.
 """
 
@@ -38,7 +38,7 @@ gae_jit = jax.jit(adv_lib.gae)
 
 
 def oracle_group(rewards, group_size, normalize, eps=EPS, valid=None):
-    """REFERENCE.md §1: GRPO (ddof=1), Dr. GRPO, RLOO and batch normalisation, element by element."""
+    """docs/reference.md §1: GRPO (ddof=1), Dr. GRPO, RLOO and batch normalisation, element by element."""
     r = [float(x) for x in np.asarray(rewards, dtype=np.float64)]
     n = len(r)
     ok = [True] * n if valid is None else [bool(x) for x in np.asarray(valid)]

@@ -1,4 +1,4 @@
-"""rlcode.losses against float64 numpy / python-loop oracles written from REFERENCE.md §2-§5."""
+"""rlcode.losses against float64 numpy / python-loop oracles written from docs/reference.md §2-§5."""
 
 import dataclasses
 
