@@ -65,7 +65,10 @@ def get_config(arg=None):
         "compact_prompt": True, "expert_style": "compact", "prefill": "documents",
         "tools": ("read_file", "edit_file", "grep", "run_tests", "submit")})
     cfg.sampling = ml_collections.ConfigDict({"temperature": 1.0})
-    cfg.rollout = ml_collections.ConfigDict({"prompts_per_step": 4, "group_size": 8})
+    # async_mode: play the episodes of step t + 1 while step t trains (at most max_staleness
+    # batches in flight; see rlcode.train.engine).
+    cfg.rollout = ml_collections.ConfigDict({"prompts_per_step": 4, "group_size": 8, "async_mode": False,
+                                             "max_staleness": 1})
     cfg.sandbox = ml_collections.ConfigDict({"workers": 2, "timeout": 10.0})
     # Success = every held-out test passes; small penalties per turn and per malformed call.
     cfg.reward = reward_config(test_reward="all_pass", turn_weight=0.02, malformed_weight=0.1,
@@ -85,7 +88,7 @@ def get_config(arg=None):
     cfg.loss.is_mode = "tis"
 
     cfg.sft = sft_config(steps=200, batch_size=8, lr=3e-3)
-    cfg.train = ml_collections.ConfigDict({"steps": 200, "max_minutes": 30.0, "microbatches": 1})
+    cfg.train = ml_collections.ConfigDict({"steps": 200, "max_minutes": 30.0, "microbatches": 1, "epochs": 1})
     cfg.optim = optim_config(lr=1e-4, warmup_steps=5, weight_decay=0.0, grad_clip=1.0)
     cfg.optim.total_steps = cfg.train.get_ref("steps")
     cfg.eval = ml_collections.ConfigDict({"every": 25, "num_samples": 2, "at_start": True, "at_end": True,

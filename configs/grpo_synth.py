@@ -20,7 +20,7 @@ e.g. `--config=configs/grpo_synth.py:loss=dapo,attention=nsa`. Any field can the
 --config.workdir=runs/grpo_synth/seed1`, `--config.resume=True`, `--config.mesh.data=8`.
 
 `resume=True` continues the run in `workdir` and refuses a config that differs from its saved
-config.json, naming each changed field, except train.steps (extend the run), sandbox.workers,
+config.json, naming each changed field, except train.steps (extend the run), train.max_minutes, sandbox.workers,
 checkpoint.every / keep, workdir and sft.cache_dir; `resume_override=True` accepts the changes
 (the old config is kept in config_history/).
 """
@@ -99,7 +99,9 @@ def get_config(arg=None):
         cfg.model.value_head = True
 
     cfg.sft = sft_config()
-    cfg.train = ml_collections.ConfigDict({"steps": 200, "epochs": 1, "minibatches": 1, "microbatches": 1})
+    # max_minutes: stop after this many minutes of RL steps (evaluation excluded); 0 = no limit.
+    cfg.train = ml_collections.ConfigDict({"steps": 200, "epochs": 1, "minibatches": 1, "microbatches": 1,
+                                           "max_minutes": 0.0})
     cfg.optim = optim_config(lr=3e-4, warmup_steps=10, weight_decay=0.0, grad_clip=1.0)
     cfg.optim.total_steps = cfg.train.get_ref("steps")
     cfg.eval = ml_collections.ConfigDict(

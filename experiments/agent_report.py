@@ -11,8 +11,8 @@ step) and writes results/agent_repo.json:
   rollout/success, the prefill token counts per step of the three samplers, the saved fraction,
   step/sample/prefill seconds; ``summary``: start (SFT) and end success of every run with the
   change, RL minutes, mean prefill tokens per step by sampler.
-* ``replay``: the recorded turns of the first run prefilled again by `rlcode.train.agent.
-  replay_prefill` in each mode – ``documents`` (squid, each distinct read file encoded once and
+* ``replay``: the recorded turns of the first run prefilled again by
+  `rlcode.session_sampling.replay_prefill` in each mode – ``documents`` (squid, each distinct read file encoded once and
   its KV reused across the group's episodes and turns), ``incremental`` (a dense sampler with a
   per-episode KV cache: every new token prefilled, files included) and ``full`` (the whole
   context prefilled every turn) – with the same model shape, after a warm-up pass that compiles
@@ -38,7 +38,9 @@ from rlcode.models.transformer import init_model
 from rlcode.tokenizer import ByteTokenizer
 from rlcode.envs import harness, repo_tasks
 from rlcode.sandbox import fstree
-from rlcode.train.agent import PREFILL_MODES, _episode_kwargs, build_tasks, replay_prefill, turns_from_segments
+from rlcode.session_sampling import PREFILL_MODES, replay_prefill, turns_from_segments
+from rlcode.train.agent import build_tasks
+from rlcode.train.episodes import episode_kwargs
 from rlcode.train.metrics import read_json_lines, read_jsonl
 
 CURVE_TAGS = ("eval_fresh/success", "eval/success", "eval_fresh/pass@1", "eval/pass@1", "rollout/success",
@@ -84,7 +86,7 @@ def expert_record(cfg, num_tasks: int, group: int, pool) -> list[dict]:
     wherever they read the same files)."""
     tok = ByteTokenizer()
     tasks = build_tasks(cfg)["train"][:num_tasks]
-    kwargs = _episode_kwargs(cfg)
+    kwargs = episode_kwargs(cfg)
     segments = []
     for task in tasks:
         turns = repo_tasks.expert_turns(task, cfg.agent.expert_style)
@@ -159,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not a.no_replay:
         data["replay"] = replay(runs[0], a.rounds, a.max_turn_sets)
     if a.expert:
-        from rlcode.train.loop import default_pool  # noqa: PLC0415
+        from rlcode.train.engine import default_pool  # noqa: PLC0415
 
         P, G = (int(x) for x in a.expert.split(","))
         cfg = ml_collections.ConfigDict(json.load(open(cfg_path)))

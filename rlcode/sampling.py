@@ -360,7 +360,7 @@ def sample_with_context(
 class SessionCache(NamedTuple):
     """Keys/values of R rows' contexts, k/v [num_layers, R + 1, S, K, H] (row R is scratch for
     padding rows of a batch); slot p holds the token at position p. Which slots are filled is
-    tracked by the caller (`rlcode.train.agent.SessionSampler`)."""
+    tracked by the caller (`rlcode.session_sampling.SessionSampler`)."""
 
     k: jax.Array
     v: jax.Array

@@ -105,7 +105,7 @@ def train(model_cfg: Any, sft_cfg: Any, demos: Any, seed: int,
 
     demos: `EncodedTasks` (prompt + reference continuation) or any object with ``len()``,
     ``batch(ids) -> train-step batch`` and ``arrays() -> arrays that determine it`` (the cache
-    key), such as multi-turn agent demonstrations (`rlcode.train.agent.Demonstrations`).
+    key), such as multi-turn agent demonstrations (`rlcode.train.demonstrations.Demonstrations`).
     Batches are drawn without replacement, epoch by epoch, from a `seed`-ed permutation.
     on_step(step, metrics) is called after each step (progress display).
     """

@@ -295,8 +295,7 @@ def test_moe_transformer_trains_in_the_train_step():
     from rlcode.models.attention import AttentionMask
     from rlcode.train import step as step_lib
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "train"))
-    import step_check
+    from support import step_check
 
     model = tiny_moe_model(router="sigmoid", dispatch="capacity", capacity_factor=1.0, num_shared_experts=1,
                            aux_loss_coef=0.1, z_loss_coef=0.01)

@@ -22,7 +22,6 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import warnings
 
 import pytest
 
@@ -30,7 +29,7 @@ from rlcode.envs import grading, hacks
 from rlcode.envs import repo_tasks as rt
 from rlcode.envs.hacks import FAILING, FORCE_PASS_PLUGIN, hack_functions, package_of, source_modules
 from rlcode.sandbox import fstree
-from local_executor import LocalExecutor, Result  # this test directory is on sys.path
+from support.local_executor import LocalExecutor, Result  # this test directory is on sys.path
 
 
 EXECUTOR = LocalExecutor()
@@ -821,17 +820,7 @@ def test_infrastructure_failure_is_masked_not_scored(executor, grader, tmp_path)
 # ---------------------------------------------------------------------------------------------
 # Through the real sandbox pool.
 
-@pytest.fixture(scope="module")
-def sandbox_pool():
-    sandbox = pytest.importorskip("rlcode.sandbox")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # e.g. "created after jax was imported" in a full run
-        try:
-            pool = sandbox.SandboxPool(2, sandbox.Limits(wall_seconds=60, cpu_seconds=30))
-        except (RuntimeError, OSError) as e:
-            pytest.skip(f"the sandbox pool cannot start on this machine: {e}")
-    with pool:
-        yield pool
+# `sandbox_pool`: the suite's shared pool (tests/conftest.py).
 
 
 @pytest.mark.parametrize("mode", ["checks", "checks_inprocess", "pytest"])

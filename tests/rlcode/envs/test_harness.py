@@ -18,7 +18,7 @@ import pytest
 
 from rlcode import tokenizer as tk
 from rlcode.envs import harness, repo_tasks as rt, tools
-from local_executor import LocalExecutor, Result  # this test directory is on sys.path
+from support.local_executor import LocalExecutor, Result  # this test directory is on sys.path
 
 
 TOK = tk.ByteTokenizer()
@@ -450,39 +450,28 @@ def test_system_prompt_lists_every_tool():
 # ---------------------------------------------------------------------------------------------
 # integration with the real sandbox pool
 
-def test_expert_through_the_sandbox_pool(tmp_path):
-    sandbox = pytest.importorskip("rlcode.sandbox")
-    if not hasattr(sandbox, "SandboxPool"):
-        pytest.skip("rlcode.sandbox does not export SandboxPool")
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # e.g. "created after jax was imported" when run in the suite
-        try:
-            pool = sandbox.SandboxPool(2, sandbox.Limits(wall_seconds=60, cpu_seconds=30))
-        except (RuntimeError, OSError) as e:
-            pytest.skip(f"the sandbox pool cannot start on this machine: {e}")
-    with pool:
-        task = rt.generate_task(4, difficulty=3)
-        traj = harness.expert_demonstration(task, pool, TOK, root=tmp_path)
-        assert traj.end_reason == "submitted"
-        assert (traj.num_malformed_calls, traj.num_tool_errors, traj.num_infra_errors) == (0, 0, 0), traj.tool_calls
-        runs = [c.observation for c in traj.tool_calls if c.name == "run_tests"]
-        assert runs[0].startswith("exit code: 1") and runs[-1].startswith("exit code: 0"), runs
-        rc, out = heldout_result(task, traj.workdir, tmp_path)
-        assert rc == 0, out
-        # A symlink planted by a sandboxed command does not let the file tools out of the copy.
-        marker = tmp_path / "host_marker.txt"
-        turns = [assistant("", ("run", {"command": f"ln -s /etc etc_link; echo leaked > {marker}"})),
-                 assistant("", ("read_file", {"path": "etc_link/hostname"}), ("list_dir", {"path": "etc_link"})),
-                 assistant("", ("submit", {}))]
-        traj = harness.run_episode(task, harness.ScriptedPolicy(TOK, turns), pool, TOK, max_turns=5,
-                                   root=tmp_path, **BIG)
-        assert os.path.islink(os.path.join(traj.workdir, "etc_link"))
-        assert [c.status for c in traj.tool_calls[1:3]] == ["error", "error"]
-        assert all("outside the repository" in c.observation for c in traj.tool_calls[1:3])
-        if pool.guarantees().get("readonly_host_filesystem"):
-            assert not marker.exists()
+def test_expert_through_the_sandbox_pool(tmp_path, sandbox_pool):
+    pool = sandbox_pool  # the suite's shared pool (tests/conftest.py)
+    task = rt.generate_task(4, difficulty=3)
+    traj = harness.expert_demonstration(task, pool, TOK, root=tmp_path)
+    assert traj.end_reason == "submitted"
+    assert (traj.num_malformed_calls, traj.num_tool_errors, traj.num_infra_errors) == (0, 0, 0), traj.tool_calls
+    runs = [c.observation for c in traj.tool_calls if c.name == "run_tests"]
+    assert runs[0].startswith("exit code: 1") and runs[-1].startswith("exit code: 0"), runs
+    rc, out = heldout_result(task, traj.workdir, tmp_path)
+    assert rc == 0, out
+    # A symlink planted by a sandboxed command does not let the file tools out of the copy.
+    marker = tmp_path / "host_marker.txt"
+    turns = [assistant("", ("run", {"command": f"ln -s /etc etc_link; echo leaked > {marker}"})),
+             assistant("", ("read_file", {"path": "etc_link/hostname"}), ("list_dir", {"path": "etc_link"})),
+             assistant("", ("submit", {}))]
+    traj = harness.run_episode(task, harness.ScriptedPolicy(TOK, turns), pool, TOK, max_turns=5,
+                               root=tmp_path, **BIG)
+    assert os.path.islink(os.path.join(traj.workdir, "etc_link"))
+    assert [c.status for c in traj.tool_calls[1:3]] == ["error", "error"]
+    assert all("outside the repository" in c.observation for c in traj.tool_calls[1:3])
+    if pool.guarantees().get("readonly_host_filesystem"):
+        assert not marker.exists()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import pytest
 
 from rlcode.envs import grading, harness, rewards
 from rlcode.envs import repo_tasks as rt
-from local_executor import LocalExecutor  # this test directory is on sys.path
+from support.local_executor import LocalExecutor  # this test directory is on sys.path
 
 # sigmoid(0), sigmoid(1), sigmoid(-3), computed by hand: 1 / (1 + e^-x).
 SIG0, SIG1, SIG_M3 = 0.5, 0.7310585786300049, 0.04742587317756678

@@ -6,7 +6,7 @@ import pytest
 
 from rlcode.envs import verdict
 from rlcode.envs.tasks import synth as S
-from local_executor import LocalExecutor  # this test directory is on sys.path
+from support.local_executor import LocalExecutor  # this test directory is on sys.path
 
 
 def _grade(task, candidate):
@@ -156,21 +156,19 @@ def test_invalid_arguments():
         S.generate_task(0, 1, "test")
 
 
-def test_grading_through_sandbox_pool():
-    from rlcode.sandbox import Limits, SandboxPool
-
+def test_grading_through_sandbox_pool(sandbox_pool):
     tasks = [S.generate_task(seed, level, split) for split in S.SPLITS
              for level in S.LEVELS for seed in range(2)]
-    with SandboxPool(2, Limits(wall_seconds=10)) as pool:
-        for task in tasks:
-            v = verdict.run_checks(pool, [S.check_group(task, task.reference_body)], timeout=10)
-            assert v.status == "ok" and all(v.check_passed) and len(v.check_passed) == len(task.tests), v.details
-        task = tasks[0]
-        loop = verdict.run_checks(pool, [S.check_group(task, "    while True:\n        pass\n")], timeout=2)
-        assert loop.status == "timeout" and not any(loop.check_passed) and "timeout" in loop.flags
-        for body in ("    return )(\n", "    return None\n"):
-            v = verdict.run_checks(pool, [S.check_group(task, body)], timeout=5)
-            assert v.status == "ok" and not any(v.check_passed), v.details
+    pool = sandbox_pool  # the suite's shared pool (tests/conftest.py)
+    for task in tasks:
+        v = verdict.run_checks(pool, [S.check_group(task, task.reference_body)], timeout=10)
+        assert v.status == "ok" and all(v.check_passed) and len(v.check_passed) == len(task.tests), v.details
+    task = tasks[0]
+    loop = verdict.run_checks(pool, [S.check_group(task, "    while True:\n        pass\n")], timeout=2)
+    assert loop.status == "timeout" and not any(loop.check_passed) and "timeout" in loop.flags
+    for body in ("    return )(\n", "    return None\n"):
+        v = verdict.run_checks(pool, [S.check_group(task, body)], timeout=5)
+        assert v.status == "ok" and not any(v.check_passed), v.details
 
 
 def test_completion_prompt_and_target_form_the_reference_function():

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from rlcode.envs import tools
-from local_executor import LocalExecutor, Result  # this test directory is on sys.path
+from support.local_executor import LocalExecutor, Result  # this test directory is on sys.path
 
 
 MODULE = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n"

@@ -21,7 +21,7 @@ import pytest
 
 from rlcode.envs import hacks, repo_tasks, verdict
 from rlcode.envs import verdict_child as child
-from local_executor import LocalExecutor, Result  # this test directory is on sys.path
+from support.local_executor import LocalExecutor, Result  # this test directory is on sys.path
 
 # ---------------------------------------------------------------------------------------------
 # The codec.
@@ -243,12 +243,7 @@ def _secret_groups(n: int = 4, attack: str = "") -> tuple[list[verdict.CheckGrou
     return [verdict.CheckGroup("secret", checks, source=attack)], secrets
 
 
-@pytest.fixture(scope="module")
-def sandbox_pool():
-    from rlcode.sandbox import Limits, SandboxPool
-
-    with SandboxPool(2, Limits(wall_seconds=20)) as pool:
-        yield pool
+# `sandbox_pool`: the suite's shared pool (tests/conftest.py).
 
 
 @pytest.fixture(params=["subprocess", "pool_exec", "pool_inprocess"])

@@ -8,7 +8,6 @@ its segment layout."""
 import json
 import math
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -16,19 +15,20 @@ import numpy as np
 import pytest
 from flax import nnx
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "envs"))
-sys.path.insert(0, os.path.dirname(__file__))
-from local_executor import LocalExecutor  # noqa: E402
+from support.local_executor import LocalExecutor
 
-from configs.agent_repo import get_config  # noqa: E402
-from field_checks import check_every_field  # noqa: E402
-from rlcode.checks import ConfigError  # noqa: E402
-from rlcode.envs import harness, repo_tasks  # noqa: E402
-from rlcode.models.attention import AttentionMask  # noqa: E402
-from rlcode.models.transformer import init_model, model_config  # noqa: E402
-from rlcode.tokenizer import ByteTokenizer  # noqa: E402
-from rlcode.train import agent  # noqa: E402
-from rlcode.train.step import make_logprob_fn  # noqa: E402
+from configs.agent_repo import get_config
+from support.field_checks import check_every_field
+from rlcode.checks import ConfigError
+from rlcode.envs import harness, repo_tasks
+from rlcode.models.attention import AttentionMask
+from rlcode.models.transformer import init_model, model_config
+from rlcode.tokenizer import ByteTokenizer
+from rlcode import session_sampling
+from rlcode.train import agent, demonstrations
+from rlcode.train import workdir as workdir_lib
+from rlcode.train import episodes as episodes_lib
+from rlcode.train.step import make_logprob_fn
 
 TOK = ByteTokenizer()
 
@@ -65,7 +65,7 @@ def test_session_prefill_equals_the_full_forward(kind, mode):
     turn2 = turn1 + rng.integers(3, 250, 3).tolist() + doc + rng.integers(3, 250, 4).tolist()
     spans2 = spans1 + [(74, 111)]
     other = rng.integers(3, 250, 30).tolist()
-    sampler = agent.SessionSampler(g, TOK, rows=3, max_context=256, max_response=4, mode=mode)
+    sampler = session_sampling.SessionSampler(g, TOK, rows=3, max_context=256, max_response=4, mode=mode)
     sampler.start(p, jax.random.key(0))
     # Only documents mode keeps a document to itself; the others prefill it as ordinary tokens.
     spans_of = (lambda s: s) if mode == "documents" else (lambda s: [])
@@ -94,7 +94,7 @@ def test_episodes_logprobs_match_the_train_forward(tmp_path):
     p = nnx.to_pure_dict(p)
     tasks = [repo_tasks.generate_task(s, difficulty=1) for s in (0, 1)]
     # A policy that reads a file in its first turn, so documents occur; then it samples freely.
-    sampler = agent.SessionSampler(g, TOK, rows=4, max_context=cfg.agent.max_context_tokens,
+    sampler = session_sampling.SessionSampler(g, TOK, rows=4, max_context=cfg.agent.max_context_tokens,
                                    max_response=cfg.agent.max_response_tokens)
     reads = {}
 
@@ -113,11 +113,11 @@ def test_episodes_logprobs_match_the_train_forward(tmp_path):
         return out
 
     sampler.generate = generate
-    episodes = agent.play_episodes([tasks[0], tasks[0], tasks[1], tasks[1]], sampler, p, jax.random.key(0),
+    episodes = episodes_lib.play_episodes([tasks[0], tasks[0], tasks[1], tasks[1]], sampler, p, jax.random.key(0),
                                    LocalExecutor(), TOK, cfg)
     assert all(e.valid for e in episodes)
     assert all(len(e.trajectory.segments[0].documents) >= 1 for e in episodes), [[(c.name, c.status, c.observation[:60]) for c in e.trajectory.tool_calls] for e in episodes]
-    batch = agent.training_batch(episodes, cfg, TOK.pad_id, row_multiple=1, length_multiple=64)
+    batch = demonstrations.training_batch(episodes, cfg, TOK.pad_id, row_multiple=1, length_multiple=64)
     seg = batch["segment_ids"]
     assert seg.max() >= 1 and np.all(batch["is_global"] == (seg == 0))
     assert not batch["mask"][seg > 0].any()  # documents are observations: never trained on
@@ -140,7 +140,7 @@ def test_turn_batcher_answers_each_episode_in_batches():
             return {r: [len(ids)] for r, (ids, _) in requests.items()}
 
     import threading
-    batcher = agent.TurnBatcher(Echo(), range(3))
+    batcher = episodes_lib.TurnBatcher(Echo(), range(3))
     results = {}
 
     def episode(row, turns):
@@ -217,7 +217,7 @@ def test_every_field_of_the_agent_job_is_checked():
 def test_agent_resume_refuses_a_changed_config(tmp_path):
     cfg = tiny("squid")
     cfg.workdir = str(tmp_path / "run")
-    agent.prepare_workdir(cfg)
+    workdir_lib.prepare_workdir(cfg)
     saved = (tmp_path / "run" / "config.json").read_text()
     changed = tiny("squid")
     changed.workdir, changed.resume, changed.seed = cfg.workdir, True, 3
@@ -228,7 +228,7 @@ def test_agent_resume_refuses_a_changed_config(tmp_path):
     assert (tmp_path / "run" / "config.json").read_text() == saved
     changed.seed, changed.reward.turn_weight = 0, 0.02
     changed.train.max_minutes, changed.train.steps = 90.0, 400  # a longer run: allowed
-    agent.prepare_workdir(changed)
+    workdir_lib.prepare_workdir(changed)
     assert json.loads((tmp_path / "run" / "config.json").read_text())["train"]["max_minutes"] == 90.0
 
 
@@ -278,13 +278,13 @@ def test_expert_turns_replay_encodes_each_file_once_per_batch(tmp_path):
     cfg = tiny("squid")
     cfg.agent.max_response_tokens = 192
     task = repo_tasks.generate_task(1, difficulty=3)
-    kwargs = agent._episode_kwargs(cfg)
+    kwargs = episodes_lib.episode_kwargs(cfg)
     turns = repo_tasks.expert_turns(task, "compact")
     traj = harness.run_episode(task, harness.ScriptedPolicy(TOK, turns), LocalExecutor(), TOK, root=tmp_path,
                                **dict(kwargs, max_turns=len(turns)))
     seg = traj.segments[0]
     assert len(seg.documents) == 2
-    calls = agent.turns_from_segments([seg, seg])
+    calls = session_sampling.turns_from_segments([seg, seg])
     assert len(calls) == traj.num_turns == 4
     previous = 0
     for call in calls:
@@ -296,7 +296,7 @@ def test_expert_turns_replay_encodes_each_file_once_per_batch(tmp_path):
         previous = n
     model = init_model(cfg.model, seed=0)
     g, p = nnx.split(model)
-    stats = agent.replay_prefill(g, p, TOK, calls, mode="documents", max_context=cfg.agent.max_context_tokens, rows=2)
+    stats = session_sampling.replay_prefill(g, p, TOK, calls, mode="documents", max_context=cfg.agent.max_context_tokens, rows=2)
     doc_tokens = sum(b - a for a, b in seg.documents)
     assert stats["tokens_documents_encoded"] == doc_tokens
     assert stats["tokens_new_documents"] == 2 * doc_tokens

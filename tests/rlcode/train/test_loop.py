@@ -15,25 +15,20 @@ import ml_collections
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-import tiny_job  # noqa: E402  (the tiny config; also the script the subprocess tests run)
-from field_checks import check_every_field  # noqa: E402
+from support import tiny_job  # the tiny config; also the script the subprocess tests run
+from support.field_checks import check_every_field
 
-from rlcode.checks import ConfigError  # noqa: E402
-from rlcode.train import loop  # noqa: E402
-from rlcode.train.checkpoint import Checkpointer  # noqa: E402
-from rlcode.train.metrics import read_jsonl, read_scalars  # noqa: E402
+from rlcode.checks import ConfigError
+from rlcode.train import engine, loop
+from rlcode.train import workdir as workdir_lib
+from rlcode.train.checkpoint import Checkpointer
+from rlcode.train.metrics import read_jsonl, read_scalars
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.fixture(scope="module")
-def pool():
-    from rlcode.sandbox import SandboxPool
-
-    p = SandboxPool(2)
-    yield p
-    p.close()
+def pool(sandbox_pool):
+    return sandbox_pool
 
 
 # --------------------------------------------------------------------------- config errors
@@ -108,7 +103,7 @@ def test_an_absurd_group_size_is_refused_before_the_warm_start(tmp_path):
 def test_resume_refuses_a_changed_config_naming_every_field(tmp_path):
     run = tmp_path / "run"
     cfg = tiny_job.tiny_config(run, steps=2)
-    loop.prepare_workdir(cfg)
+    workdir_lib.prepare_workdir(cfg)
     saved = (run / "config.json").read_text()
     changed = tiny_job.tiny_config(run, steps=2, seed=1, optim__lr=1e-5, reward__tests="all_pass",
                                    task__levels=(1, 2), resume=True)
@@ -124,7 +119,7 @@ def test_resume_refuses_a_changed_config_naming_every_field(tmp_path):
 
     # A longer run, another sandbox size: allowed (the schedule length follows train.steps).
     longer = tiny_job.tiny_config(run, steps=5, sandbox__workers=1, resume=True)
-    loop.prepare_workdir(longer)
+    workdir_lib.prepare_workdir(longer)
     assert json.loads((run / "config.json").read_text())["train"]["steps"] == 5
     (first,) = sorted((run / "config_history").glob("*.json"))
     record = json.loads(first.read_text())
@@ -134,7 +129,7 @@ def test_resume_refuses_a_changed_config_naming_every_field(tmp_path):
     # An explicit override is accepted and recorded with the config it replaced.
     changed = tiny_job.tiny_config(run, steps=5, seed=1, optim__lr=1e-5, resume=True, resume_override=True)
     said = []
-    loop.prepare_workdir(changed, log=said.append)
+    workdir_lib.prepare_workdir(changed, log=said.append)
     new = json.loads((run / "config.json").read_text())
     assert new["seed"] == 1 and new["optim"]["lr"] == 1e-5
     second = sorted((run / "config_history").glob("*.json"))[1]
@@ -147,7 +142,7 @@ def test_resume_refuses_a_changed_config_naming_every_field(tmp_path):
     alone = ml_collections.ConfigDict(tiny_job.tiny_config(run, steps=5, seed=1, optim__lr=1e-5, resume=True).to_dict())
     alone.optim.total_steps = 50  # no longer the reference to train.steps
     with pytest.raises(ConfigError, match="optim.total_steps 5 -> 50"):
-        loop.prepare_workdir(alone)
+        workdir_lib.prepare_workdir(alone)
 
 
 def test_unknown_recipe_in_config_argument_names_it():
@@ -255,7 +250,7 @@ def test_nonfinite_loss_stops_with_statistics_and_keeps_checkpoints(tmp_path, po
             batch = dict(batch, old_logp=batch["old_logp"].at[0, :].set(jnp.nan))
         return batch
 
-    with pytest.raises(loop.NonFiniteLossError) as err:
+    with pytest.raises(engine.NonFiniteLossError) as err:
         loop.run(cfg, pool=pool, hooks={"batch": poison})
     msg = str(err.value)
     assert "non-finite loss at step 1" in msg and "old_logp" in msg and '"nonfinite"' in msg
@@ -306,7 +301,7 @@ def test_dynamic_sampling_runs(tmp_path, pool):
 
 
 def _start(workdir, steps, *extra, env=None):
-    return subprocess.Popen([sys.executable, os.path.join(HERE, "tiny_job.py"), str(workdir), str(steps), *extra],
+    return subprocess.Popen([sys.executable, tiny_job.__file__, str(workdir), str(steps), *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 

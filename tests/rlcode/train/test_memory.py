@@ -3,23 +3,20 @@ close to XLA's own memory analysis of the compiled step, and a config that canno
 with the estimate and the field to reduce."""
 
 import math
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-sys.path.insert(0, os.path.dirname(__file__))
-import tiny_job  # noqa: E402
+from support import tiny_job
 
-from rlcode.checks import ConfigError  # noqa: E402
-from rlcode.models.attention import attention_config  # noqa: E402
-from rlcode.models.moe import moe_config  # noqa: E402
-from rlcode.models.transformer import init_model  # noqa: E402
-from rlcode.train import loop, memory  # noqa: E402
-from rlcode.train.step import init_train_state, make_optimizer, make_train_step  # noqa: E402
+from rlcode.checks import ConfigError
+from rlcode.models.attention import attention_config
+from rlcode.models.moe import moe_config
+from rlcode.models.transformer import init_model
+from rlcode.train import loop, memory
+from rlcode.train.step import init_train_state, make_optimizer, make_train_step
 
 
 @pytest.mark.parametrize(

@@ -2,8 +2,6 @@
 dynamic sampling, masking of infrastructure failures in the train batch, and the SFT warm start."""
 
 import json
-import os
-import sys
 import threading
 import time
 
@@ -12,27 +10,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-import tiny_job  # noqa: E402
+from support import tiny_job
 
-from rlcode.envs import verdict, verdict_child  # noqa: E402
-from rlcode.envs.tasks import synth  # noqa: E402
-from rlcode.sampling import SampleOutput, SamplingConfig  # noqa: E402
-from rlcode.sandbox.spec import ExecResult  # noqa: E402
-from rlcode.tokenizer import ByteTokenizer  # noqa: E402
-from rlcode.train import loop, sft  # noqa: E402
-from rlcode.train.rollout import Grader, RolloutCollector, encode_tasks, reward_config, trim_batch  # noqa: E402
+from rlcode.envs import verdict, verdict_child
+from rlcode.envs.tasks import synth
+from rlcode.sampling import SampleOutput, SamplingConfig
+from rlcode.sandbox.spec import ExecResult
+from rlcode.tokenizer import ByteTokenizer
+from rlcode.train import loop, sft
+from rlcode.train.rollout import Grader, RolloutCollector, encode_tasks, reward_config, trim_batch
 
 TOK = ByteTokenizer()
 
 
 @pytest.fixture(scope="module")
-def pool():
-    from rlcode.sandbox import SandboxPool
-
-    p = SandboxPool(2)
-    yield p
-    p.close()
+def pool(sandbox_pool):
+    return sandbox_pool
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,7 @@ from rlcode import losses
 from rlcode.models.attention import AttentionMask
 from rlcode.train import step as step_lib
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import step_check  # noqa: E402  (the script the multi-device tests run in subprocesses)
+from support import step_check  # also the script the multi-device tests run in subprocesses
 
 
 def fresh(microbatches=1, loss_overrides=None):
@@ -131,7 +129,7 @@ def _check(result):
 @pytest.fixture(scope="module")
 def eight_device_result():
     """Runs the mesh check in a process started with 8 fake CPU devices."""
-    out = subprocess.run([sys.executable, os.path.join(HERE, "step_check.py"), "data=2,fsdp=2,tensor=2"],
+    out = subprocess.run([sys.executable, step_check.__file__, "data=2,fsdp=2,tensor=2"],
                          env=_env(8), capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -145,7 +143,7 @@ def test_sharded_step_equals_single_device(eight_device_result):
 def test_two_processes_on_localhost_equal_single_device():
     port = _free_port()
     procs = [
-        subprocess.Popen([sys.executable, os.path.join(HERE, "step_check.py"), "distributed", str(i), "2", str(port),
+        subprocess.Popen([sys.executable, step_check.__file__, "distributed", str(i), "2", str(port),
                           "data=2,fsdp=2,tensor=2"], env=_env(4), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True)
         for i in range(2)

@@ -1,0 +1,120 @@
+"""A job's run directory: created once, refused when it already holds a run, and its config kept.
+
+`prepare_workdir(cfg)` is called by the engine before anything is built. It writes the run's
+config.json and, on resume, compares the given config with it: a resumed run is the same
+experiment, so a change outside `RESUME_MUTABLE` is refused (naming every changed field) unless
+``resume_override`` is set; every replaced config.json is archived in ``config_history/``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from rlcode.checks import ConfigError, flatten
+
+# Fields a resumed run may change without resume_override: where the run and its warm-start
+# cache live, how long it runs (extending train.steps also stretches the learning-rate schedule
+# when optim.total_steps follows train.steps, as in the shipped configs), its time budget, the
+# sandbox's parallelism, how often and how many checkpoints are kept, and the resume switches
+# themselves. Any other change (seeds, learning rate, rewards, model, batch shape, evaluation,
+# ...) would make the resumed run a different experiment.
+RESUME_MUTABLE = ("resume", "resume_override", "workdir", "train.steps", "train.max_minutes", "sandbox.workers",
+                  "sft.cache_dir", "checkpoint.every", "checkpoint.keep")
+CONFIG_HISTORY = "config_history"
+_ABSENT = "(absent)"
+
+
+def config_changes(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
+    """path -> (old value, new value) for every leaf that differs between two configs as JSON;
+    a field only one of them has shows "(absent)" on the other side."""
+    a, b = flatten(old), flatten(new)
+    return {k: (a.get(k, _ABSENT), b.get(k, _ABSENT)) for k in sorted(set(a) | set(b))
+            if a.get(k, _ABSENT) != b.get(k, _ABSENT)}
+
+
+def _mutable_on_resume(path: str, old: dict, new: dict) -> bool:
+    if path in RESUME_MUTABLE:
+        return True
+    # optim.total_steps may follow train.steps (a reference in the configs) and nothing else.
+    if path == "optim.total_steps":
+        a, b = flatten(old), flatten(new)
+        return a.get(path) == a.get("train.steps") and b.get(path) == b.get("train.steps")
+    return False
+
+
+def _archive_config(workdir: str, old: Any, changes: dict, *, resume: bool, override: bool) -> str:
+    """Keep a replaced config.json as config_history/<n>.json with what changed; returns the path."""
+    folder = os.path.join(workdir, CONFIG_HISTORY)
+    os.makedirs(folder, exist_ok=True)
+    n = 1 + sum(1 for name in os.listdir(folder) if name.endswith(".json"))
+    path = os.path.join(folder, f"{n:03d}.json")
+    record = {"replaced_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "resume": resume, "override": override,
+              "changes": {k: list(v) for k, v in changes.items()}, "config": old}
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f, indent=2, sort_keys=True)
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def _format_value(value: Any) -> str:
+    return value if value == _ABSENT else json.dumps(value)
+
+
+def prepare_workdir(cfg: Any, log: Callable[[str], None] | None = None) -> tuple[str, str]:
+    """(workdir, checkpoint dir) of a job: created, refused when it holds checkpoints and
+    cfg.resume is off, with the config written to config.json.
+
+    Resuming compares the config with the run's saved config.json and raises a ConfigError
+    naming every changed field (old -> new) unless only `RESUME_MUTABLE` fields changed or
+    ``resume_override`` is set. config.json is replaced only after that check passes, and a
+    replaced config is kept in ``config_history/<n>.json`` with its changes, so the run's
+    history of configs stays complete."""
+    workdir = os.path.abspath(cfg.workdir)
+    os.makedirs(workdir, exist_ok=True)
+    ckpt_dir = os.path.join(workdir, "checkpoints")
+    has_ckpt = os.path.isdir(ckpt_dir) and any(n.isdigit() for n in os.listdir(ckpt_dir))
+    if has_ckpt and not cfg.resume:
+        raise ConfigError(f"workdir {workdir} already has checkpoints: pass --config.resume=True to continue "
+                          "that run, or choose another --config.workdir")
+    path = os.path.join(workdir, "config.json")
+    text_new = cfg.to_json_best_effort(indent=2, sort_keys=True)
+    new = json.loads(text_new)
+    override = bool(cfg.get("resume_override", False))
+    if os.path.exists(path):
+        with open(path) as f:
+            raw = f.read()
+        try:
+            old = json.loads(raw)
+        except ValueError:
+            old = None
+        if old is None or not isinstance(old, dict):
+            if cfg.resume and not override:
+                raise ConfigError(f"resume: {path} is not a readable config, so the resumed config cannot be "
+                                  "compared with it; restore it, or pass --config.resume_override=True to resume "
+                                  f"with the given config (the unreadable file is kept in {CONFIG_HISTORY}/)")
+            _archive_config(workdir, raw, {}, resume=bool(cfg.resume), override=override)
+        else:
+            changes = config_changes(old, new)
+            refused = {k: v for k, v in changes.items() if not _mutable_on_resume(k, old, new)}
+            if cfg.resume and refused and not override:
+                listed = ", ".join(f"{k} {_format_value(a)} -> {_format_value(b)}" for k, (a, b) in refused.items())
+                raise ConfigError(
+                    f"resume: the config differs from the run's {path} in {len(refused)} field(s): {listed}; "
+                    "resume with the saved values, or pass --config.resume_override=True to continue with the new "
+                    f"ones (the saved config is then kept in {CONFIG_HISTORY}/). Fields that may change on resume: "
+                    f"{', '.join(RESUME_MUTABLE)}")
+            if changes:
+                kept = _archive_config(workdir, old, changes, resume=bool(cfg.resume), override=bool(refused))
+                if cfg.resume and refused and log is not None:
+                    log(f"resume_override: continuing with {len(refused)} changed field(s) "
+                        f"({', '.join(refused)}); the previous config is in {kept}")
+    with open(path + ".tmp", "w") as f:
+        f.write(text_new)
+    os.replace(path + ".tmp", path)
+    return workdir, ckpt_dir
+
+

@@ -1,0 +1,56 @@
+"""Fixtures shared by the whole suite, and its markers.
+
+* `sandbox_pool`: one `SandboxPool` of 2 workers per test process (per xdist worker), for tests
+  that drive the pool rather than test it (grading, rollouts, the jobs). Tests of the pool itself
+  (tests/rlcode/sandbox) build the pools they examine.
+* Helpers shared between test modules live in the `support` package beside this file (this
+  directory is on sys.path while the suite runs): `support.tiny_job` (a seconds-long config of
+  the main job, also a script), `support.step_check`, `support.field_checks`,
+  `support.local_executor`.
+* XLA's compilation cache is kept on disk in ``.cache/jax`` of the checkout (ignored by git) and
+  shared by every test process and the jobs they start: the suite compiles the same tiny models
+  many times, and a fresh checkout starts with an empty cache. Set JAX_COMPILATION_CACHE_DIR to
+  put it elsewhere.
+* Marker ``slow``: whole-job runs beyond one end-to-end test per job, multi-process and
+  8-device subprocess tests, interpreted Triton gradient grids. ``-m "not slow"`` is the fast
+  development run (README, Tests).
+"""
+
+import os
+import sys
+import warnings
+
+import pytest
+
+CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "jax")
+# Set in the environment so that subprocesses (jobs, multi-device checks) share the cache too;
+# every compilation is cached, however short.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", CACHE)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+
+def pytest_configure(config):
+    # jax reads the variables above when it is imported; a plugin may have imported it already.
+    # (The suite does not import jax itself here: some sandbox tests check a process without it.)
+    jax = sys.modules.get("jax")
+    if jax is None:
+        return
+    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                      float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes",
+                      int(os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]))
+
+
+@pytest.fixture(scope="session")
+def sandbox_pool():
+    sandbox = pytest.importorskip("rlcode.sandbox")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "created after jax was imported": workers are fresh interpreters
+        try:
+            pool = sandbox.SandboxPool(2, sandbox.Limits(wall_seconds=60, cpu_seconds=30))
+        except (RuntimeError, OSError) as e:
+            pytest.skip(f"the sandbox pool cannot start on this machine: {e}")
+    with pool:
+        yield pool
