@@ -1,7 +1,8 @@
 """Attention: the one place that chooses the implementation (dense, nsa, squid).
 
-An attention kind is an `nnx.Module` class registered under a name with `@register_attention`;
-the model builds `ATTENTION[cfg.attention.kind](cfg, rngs=rngs)` and never branches on the kind.
+An attention kind is an `nnx.Module` class listed under its name in
+`rlcode.models.registry.ATTENTION` (`register_attention(kind)` adds one at run time); the model
+builds `ATTENTION[cfg.attention.kind](cfg, rngs=rngs)` and never branches on the kind.
 Every kind implements the same three calls:
 
 * `__call__(x_btd, positions_bt, mask) -> (y_btd, KVCache)` – a full causal forward over a
@@ -28,10 +29,9 @@ from flax import nnx
 from kernels import nsa as nsa_kernels
 from kernels import squid as squid_kernels
 from rlcode.models.layers import RMSNorm, apply_rope, fan_in_init, make_param
-from rlcode.models.registry import Registry
+from rlcode.models.registry import ATTENTION
 from rlcode.sharding import constrain
 
-ATTENTION = Registry("attention")
 register_attention = ATTENTION.register
 make_attention = ATTENTION.build
 
@@ -143,7 +143,6 @@ def merge_attention(parts: list[tuple[jax.Array, jax.Array]]) -> jax.Array:
     return squid_kernels.merge_partials(parts)[0]
 
 
-@register_attention("dense")
 class DenseAttention(nnx.Module):
     """Causal grouped-query attention through `jax.nn.dot_product_attention`."""
 
@@ -222,7 +221,6 @@ class DenseAttention(nnx.Module):
         return y[:, 0], suffix
 
 
-@register_attention("squid")
 class SquidAttention(DenseAttention):
     """Document-level attention whose per-document keys/values are reusable (docs/reference.md §8).
 
@@ -293,7 +291,6 @@ class NSACompression(nnx.Module):
         return jnp.einsum("bikf,kfh->bikh", h, self.w2[...].astype(dt)) + self.b2[...].astype(dt)
 
 
-@register_attention("nsa")
 class NSAAttention(nnx.Module):
     """Native Sparse Attention (NSA, Yuan et al. 2025, arXiv 2502.11089) as a model layer.
 
