@@ -455,7 +455,7 @@ def main(argv):
         if impl == "triton":
             if _triton.available() is not None:
                 raise app.UsageError(f"--impls=triton: {_triton.available()}")
-            if not _triton.on_gpu():
+            if _triton.interpreting():
                 print("warning: no GPU: the Triton faces run in the interpreter (slow; small sizes only)", flush=True)
     for s in _SECTIONS.value:
         if s not in ("dispatch", "precision", "quantize"):
