@@ -2,10 +2,10 @@
 
 An MLP kind is an `nnx.Module` class listed in `rlcode.models.registry.MLP` (the built-in kinds:
 "dense" here, "moe" in rlcode.models.moe; `register_mlp(kind)` adds one at run time), built as
-`MLP[cfg.mlp.kind](cfg, rngs=rngs)` (`make_mlp(cfg, rngs=rngs)`) and called as `mlp(x_btd) -> (y_btd, aux)`, where `aux` is a
-dict of auxiliary losses (names ending in "_loss", added to the objective by the train step) and
-metrics (scalars or arrays such as MoE's per-expert load) that the model sums over layers (empty
-for dense; see rlcode.models.moe).
+`MLP[cfg.mlp.kind](cfg, rngs=rngs)` (`make_mlp(cfg, rngs=rngs)`) and called as
+`mlp(x_btd) -> (y_btd, aux)`, where `aux` is a dict of auxiliary losses (names ending in "_loss",
+added to the objective by the train step) and metrics (scalars or arrays such as MoE's per-expert
+load) that the model sums over layers (empty for dense; see rlcode.models.moe).
 """
 
 from __future__ import annotations
