@@ -26,7 +26,8 @@ column), warmed up, then all variants of one length are called round-robin for `
 rounds so that load from elsewhere on the machine falls on all alike; the median is reported and
 every ratio is against `dense` (or `prefill_dense`) of the same length in the same run. Variants
 whose dense score matrix would exceed `--max_dense_bytes` are skipped and marked so. Prints a
-table, writes JSON and a log-log PNG of time and memory vs length.
+table, writes JSON and a log-log PNG of time and memory vs length. The Triton face runs compiled
+on a CUDA GPU and in the Triton interpreter elsewhere (`kernels._triton.configure()`, called first).
 """
 
 from __future__ import annotations
@@ -216,6 +217,7 @@ def plot(rows, path, backend=None):
 
 def main(argv):
     del argv
+    _triton.configure()  # the Triton face: compiled on a CUDA GPU, in the interpreter elsewhere
     quick = _QUICK.value
     lengths = [512, 1024] if quick and not flags.FLAGS["lengths"].present else [int(x) for x in _LENGTHS.value]
     repeats = 2 if quick and not flags.FLAGS["repeats"].present else _REPEATS.value

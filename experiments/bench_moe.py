@@ -45,7 +45,8 @@ Sections (sizes from flags; shape letters N tokens, D model, E experts, F expert
    input bytes. `quantize_triton` with --impls=...,triton.
 
 The Triton faces run on a CUDA GPU; elsewhere only in the Triton interpreter, which is far too
-slow for these sizes, so they are timed only when --impls names triton.
+slow for these sizes, so they are timed only when --impls names triton (the choice is
+`kernels._triton.configure()`, called first).
 
 Timing (as experiments/bench_attention.py): each variant is compiled once (XLA's memory analysis
 gives its temporary bytes, the "temp MiB" column; a variant above --max_temp_bytes is skipped and
@@ -441,6 +442,7 @@ def plot(rows, path, backend=None):
 
 def main(argv):
     del argv
+    _triton.configure()  # the Triton faces: compiled on a CUDA GPU, in the interpreter elsewhere
     quick = _QUICK.value
     given = lambda name: flags.FLAGS[name].present
     sizes = dict(E=_E.value, N=_N.value, D=_D.value, F=_F.value, quant_shape=_QUANT_SHAPE.value)
@@ -453,7 +455,7 @@ def main(argv):
         if impl == "triton":
             if _triton.available() is not None:
                 raise app.UsageError(f"--impls=triton: {_triton.available()}")
-            if not _triton.on_gpu():
+            if _triton.interpreting():
                 print("warning: no GPU: the Triton faces run in the interpreter (slow; small sizes only)", flush=True)
     for s in _SECTIONS.value:
         if s not in ("dispatch", "precision", "quantize"):

@@ -108,6 +108,9 @@ def main(config: Any) -> int:
     # Checkpoint libraries log every file operation at INFO; the job's own progress is enough.
     logging.set_verbosity(logging.WARNING)
     from rlcode.train import agent, loop  # noqa: PLC0415 (after flag parsing: a bad flag fails fast)
+    from kernels import _triton  # noqa: PLC0415
+
+    _triton.configure()  # a model with impl "triton": compiled on a CUDA GPU, interpreted elsewhere
 
     job = agent if config.get("job", "synth") == "agent" else loop
     try:

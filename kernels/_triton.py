@@ -5,25 +5,32 @@ convention of `jax_triton.triton_call`: the kernel's parameters are the array an
 in order, then one pointer per output (outputs are zero-filled before the launch), then the
 `constexprs` by keyword. `grid` is a tuple or a function of the constexprs.
 
-* On a CUDA device the call goes to `jax_triton.triton_call` (imported lazily: it needs a GPU
-  build of jax), compiled into the XLA program.
-* Elsewhere the same kernel source runs in the Triton interpreter, one program instance at a time,
-  inside `jax.pure_callback`. The interpreter expects torch-like tensors (`data_ptr`,
+* Compiled: the call goes to `jax_triton.triton_call` (imported lazily: it needs a GPU build of
+  jax), compiled into the XLA program. Needs a CUDA device.
+* Interpreted: the same kernel source runs in the Triton interpreter, one program instance at a
+  time, inside `jax.pure_callback`. The interpreter expects torch-like tensors (`data_ptr`,
   `untyped_storage`, `stride`, ...); `_HostTensor` gives it those over a numpy array, so torch is
   not needed. This is how the kernels are tested on CPU; it is slow, so keep shapes small.
 
-The interpreter has to be chosen before `triton` is imported (its standard library is decorated
-at import), so importing this module sets `TRITON_INTERPRET=1` when no CUDA plugin for jax is
-installed and the variable is unset. Known interpreter limit: `tl.dot` on bfloat16 operands is
-wrong, so interpreted tests use float32/float16.
+Which of the two is an explicit choice of the program, like Pallas's `interpret=`:
+`configure(interpret)`, called once by an entry point (the experiment scripts, the kernel tests'
+conftest) before the first launch. `interpret=None`, the default, means: interpret unless jax's
+default backend is a CUDA GPU; a process that never calls `configure` gets that default too.
+Importing this module or the kernel modules changes nothing in the process (no environment
+variable is set) and the order of imports does not matter: triton is imported in its own default
+(compiled) mode, so `@triton.jit` makes compiled-mode functions, and an interpreted launch runs
+the kernel's Python source in the interpreter, with every `@triton.jit` function it calls (the
+kernel's helpers, and the reductions of `triton.language`, which triton decorates when it is
+imported) interpreted too for the duration of the launch (`_interpreted_device_calls`). Known
+interpreter limit: `tl.dot` on bfloat16 operands is wrong, so interpreted tests use
+float32/float16.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
-import os
-import sys
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -32,17 +39,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-def _cuda_plugin_installed() -> bool:
-    return any(importlib.util.find_spec(name) is not None for name in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
-
-
-if "TRITON_INTERPRET" not in os.environ and "triton" not in sys.modules and not _cuda_plugin_installed():
-    os.environ["TRITON_INTERPRET"] = "1"
-
 try:
-    import triton  # noqa: E402
-    import triton.language as tl  # noqa: E402,F401  (re-exported for kernel modules)
+    import triton
+    import triton.language as tl  # noqa: F401  (re-exported for kernel modules)
 
     HAVE_TRITON = True
 except ImportError:  # no Linux wheel for this platform
@@ -50,10 +49,8 @@ except ImportError:  # no Linux wheel for this platform
     tl = None
     HAVE_TRITON = False
 
-
-def interpreting() -> bool:
-    """True when `@triton.jit` produces interpreted functions in this process."""
-    return HAVE_TRITON and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+# The choice made by `configure`; None until it is called (then `interpreting` applies the default).
+_INTERPRET: bool | None = None
 
 
 def on_gpu() -> bool:
@@ -61,20 +58,51 @@ def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
+def configure(interpret: bool | None = None) -> bool:
+    """Choose how `triton_call` launches kernels in this process and return whether it interprets.
+
+    True: in the Triton interpreter, on the host (any backend; slow). False: compiled through
+    jax-triton (needs a CUDA device). None (the default): interpret unless jax's default backend
+    is a CUDA GPU. The choice applies to launches traced afterwards (a function already jitted
+    keeps the launch it was traced with).
+    """
+    global _INTERPRET
+    if interpret is not None and not isinstance(interpret, bool):
+        raise TypeError(f"interpret must be True, False or None, got {interpret!r}")
+    _INTERPRET = (not on_gpu()) if interpret is None else interpret
+    return _INTERPRET
+
+
+def interpreting() -> bool:
+    """True when `triton_call` runs kernels in the interpreter: the `configure` choice, or its
+    default (interpret unless jax's default backend is a CUDA GPU) when it was not called."""
+    if not HAVE_TRITON:
+        return False
+    return (not on_gpu()) if _INTERPRET is None else _INTERPRET
+
+
+def _imported_for_interpreter() -> bool:
+    """True when triton was imported with TRITON_INTERPRET set, so its `@triton.jit` functions are
+    interpreter functions, which cannot be compiled."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(tl.sum, InterpretedFunction)
+
+
 def available() -> str | None:
-    """None when `triton_call` can run here, else the reason it cannot."""
+    """None when `triton_call` can run here as configured, else the reason it cannot."""
     if not HAVE_TRITON:
         return "triton is not installed (it ships Linux wheels only)"
     if interpreting():
         return None
-    if on_gpu():
-        if importlib.util.find_spec("jax_triton") is None:
-            return "jax-triton is not installed (pip install -e '.[gpu]')"
-        return None
-    return (
-        "triton was imported in compiled mode without a GPU; import kernels before triton, or set "
-        "TRITON_INTERPRET=1, to run the kernels in the interpreter"
-    )
+    if not on_gpu():
+        return ("the kernels are configured to run compiled (configure(interpret=False)) but jax's default "
+                "backend is not a CUDA GPU; configure(interpret=True) runs them in the interpreter")
+    if _imported_for_interpreter():
+        return "triton was imported with TRITON_INTERPRET set, so its functions cannot be compiled; unset it"
+    if importlib.util.find_spec("jax_triton") is None:
+        return "jax-triton is not installed (pip install -e '.[gpu]')"
+    return None
 
 
 def require() -> None:
@@ -85,11 +113,12 @@ def require() -> None:
 
 
 def use_triton(impl: str) -> bool:
-    """The dispatch rule of every op: `auto` = Triton on a CUDA device, XLA elsewhere."""
+    """The dispatch rule of every op: `auto` = Triton compiled on a CUDA device, XLA elsewhere
+    (auto never picks the interpreter)."""
     if impl not in ("auto", "xla", "triton"):
         raise ValueError(f"impl must be 'auto', 'xla' or 'triton', got {impl!r}")
     if impl == "auto":
-        return on_gpu() and available() is None
+        return on_gpu() and not interpreting() and available() is None
     return impl == "triton"
 
 
@@ -179,12 +208,46 @@ def _resolve_grid(grid, constexprs: dict[str, Any]) -> tuple[int, ...]:
 
 
 @functools.lru_cache(maxsize=None)
+def _interpreter_function(fn: Callable) -> Any:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return InterpretedFunction(fn)
+
+
 def _interpreted(kernel) -> Any:
+    """The interpreter function of a `@triton.jit` kernel (cached by its Python function: hashing
+    a compiled-mode function walks its dependencies)."""
     from triton.runtime.interpreter import InterpretedFunction
 
     if isinstance(kernel, InterpretedFunction):
         return kernel
-    return InterpretedFunction(kernel.fn)
+    return _interpreter_function(kernel.fn)
+
+
+def _call_interpreted(jit_function, *args, **kwargs):
+    return _interpreted(jit_function)(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _interpreted_device_calls():
+    """While it is open, calling a compiled-mode `@triton.jit` function runs it in the interpreter.
+
+    Inside a kernel running in the interpreter, a call to another `@triton.jit` function (a
+    helper, or `tl.sum`, `tl.max`, ... which triton decorates when it is imported) is a plain
+    Python call, and a compiled-mode function refuses it ("outside of the scope of a kernel"); an
+    interpreter function runs the callee's source in the interpreter, which is what triton does
+    everywhere when it is imported with TRITON_INTERPRET set. The class attribute is swapped back
+    on exit; launches hold `_INTERPRETER_LOCK`, and a compiled launch never calls a function this
+    way, so nothing else sees the swap.
+    """
+    from triton.runtime.jit import JITFunction
+
+    original = JITFunction.__call__
+    JITFunction.__call__ = _call_interpreted
+    try:
+        yield
+    finally:
+        JITFunction.__call__ = original
 
 
 # The interpreter patches `triton.language` globally while a launch runs, so launches (from jax's
@@ -201,7 +264,7 @@ def _run_interpreted(kernel, grid, constexprs, arg_kinds, scalars, outs, *host_a
             tensors.append(next(it_scalars))
     results = [np.zeros(s.shape, s.dtype) for s in outs]
     tensors += [_HostTensor(r) for r in results]
-    with _INTERPRETER_LOCK:
+    with _INTERPRETER_LOCK, _interpreted_device_calls():
         _interpreted(kernel)[grid](*tensors, **constexprs)
     return tuple(results)
 

@@ -35,8 +35,10 @@ Faces (ARCHITECTURE "Kernels: one op, three faces"):
   heads against the shared selected blocks; backward with dq per program and dk/dv by atomic adds
   into float32 buffers); the window branch is flash attention's Triton face.
 * `nsa_attention(..., impl=)` - the dispatcher.
-* `nsa_decode` - one query per row against a cache (plain or `SharedPrefix`), reading only the
-  compressed keys, the selected blocks and the window; equals the full forward at that position.
+* `nsa_decode` - one query per row against a cache, reading only the compressed keys, the
+  selected blocks and the window; equals the full forward at that position. The cache's layout is
+  the caller's: plain arrays or any `TokenStore` (the sampler's, prompts shared by groups of rows,
+  is `rlcode.models.attention.SharedPrefix`).
 
 Shapes: B batch, T time, N query heads, K kv heads, R = N // K heads per group, H head dim,
 Tc compressed blocks, Ns = cdiv(T, l') selection blocks, C query chunk.
@@ -45,7 +47,7 @@ Tc compressed blocks, Ns = cdiv(T, l') selection blocks, C query chunk.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -192,8 +194,8 @@ def _softmax_attend(s, valid, v, eq):
 def _gather_tokens(seq, pos_bkx):
     """Tokens at positions pos [B, K, X] of each row and kv head: [B, K, X, H].
 
-    seq is [B, S, K, H] or a `SharedPrefix`. Out-of-range positions are clamped (callers mask them)."""
-    if isinstance(seq, SharedPrefix):
+    seq is [B, S, K, H] or a `TokenStore`. Out-of-range positions are clamped (callers mask them)."""
+    if isinstance(seq, TokenStore):
         return seq.gather(pos_bkx)
     B, Kh = pos_bkx.shape[:2]
     b = jnp.arange(B)[:, None, None]
@@ -205,7 +207,7 @@ def _compressed_and_selected(q_bckrh, t_bc, kc_bkih, vc_bkih, k_slc, v_slc, size
     """Compressed and selected branches for a chunk of queries: (o_cmp, o_slc) [B, C, K, R, H] f32.
 
     q [B, C, K, R, H] at positions t [B, C]; compressed keys/values [B, K, Tc, H]; k_slc/v_slc
-    [B, S, K, H] or `SharedPrefix`, read only at the selected positions.
+    [B, S, K, H] or `TokenStore`, read only at the selected positions.
     """
     B, C, K, R, H = q_bckrh.shape
     Tc = kc_bkih.shape[2]
@@ -749,40 +751,28 @@ def nsa_attention(
 # ---------------------------------------------------------------------------------------------
 
 
-class SharedPrefix(NamedTuple):
-    """Per-row sequences stored as prompts shared by groups of rows plus each row's own tail.
+@runtime_checkable
+class TokenStore(Protocol):
+    """Per-row keys or values that `nsa_decode` reads only by position, whatever their layout.
 
-    prefix [Pg, Sp, K, H]; lengths [Pg] int (valid prefix entries); suffix [B, Ss, K, H] with
-    B = Pg * G. Entry u of row b is prefix[b // G, u] when u < lengths[b // G], else
-    suffix[b, u - lengths[b // G]]. This is the sampler's cache layout (rlcode/sampling.py): the
-    prompt's keys are stored once per group; for compressed keys, lengths counts the blocks
-    complete inside the prompt (`num_compressed_blocks(prompt_length, l, d)`).
+    `capacity`: an upper bound on any row's length; `num_kv_heads`: K; `gather(pos [B, K, X])`:
+    the entries [B, K, X, H] at those positions of each row and kv head (a position outside a row
+    may give anything finite or not: the decode masks it). A plain [B, S, K, H] array is read
+    directly; the sampler's cache (prompts shared by groups of rows) is
+    `rlcode.models.attention.SharedPrefix`.
     """
 
-    prefix: jax.Array
-    lengths: jax.Array
-    suffix: jax.Array
+    @property
+    def capacity(self) -> int: ...
 
     @property
-    def capacity(self) -> int:
-        """An upper bound on any row's length: Sp + Ss."""
-        return self.prefix.shape[1] + self.suffix.shape[1]
+    def num_kv_heads(self) -> int: ...
 
-    def gather(self, pos_bkx):
-        """Entries at positions pos [B, K, X] of each row and kv head -> [B, K, X, H]."""
-        B, Kh = pos_bkx.shape[:2]
-        G = B // self.prefix.shape[0]
-        b = jnp.arange(B)[:, None, None]
-        kh = jnp.arange(Kh)[None, :, None]
-        plen = jnp.asarray(self.lengths, jnp.int32)[b // G]
-        prefix, suffix = jnp.asarray(self.prefix), jnp.asarray(self.suffix)
-        from_prefix = prefix[b // G, jnp.clip(pos_bkx, 0, prefix.shape[1] - 1), kh]
-        from_suffix = suffix[b, jnp.clip(pos_bkx - plen, 0, suffix.shape[1] - 1), kh]
-        return jnp.where((pos_bkx < plen)[..., None], from_prefix, from_suffix)
+    def gather(self, pos_bkx: jax.Array) -> jax.Array: ...
 
 
 def _capacity(seq) -> int:
-    return seq.capacity if isinstance(seq, SharedPrefix) else seq.shape[1]
+    return seq.capacity if isinstance(seq, TokenStore) else seq.shape[1]
 
 
 def nsa_decode(
@@ -804,9 +794,9 @@ def nsa_decode(
     """NSA for one new query per row against a cache (jax.numpy; it reads only what NSA selects).
 
     q [B, N, H] at absolute positions [B] (t); k, v: the selection/window keys and values of each
-    row for positions 0..t (the current token included), as [B, S, K, H] arrays, `SharedPrefix`es,
+    row for positions 0..t (the current token included), as [B, S, K, H] arrays, `TokenStore`s,
     or dicts {"slc": ..., "win": ...} of those; k_cmp, v_cmp: compressed blocks 0..(t - l + 1)//d
-    of each row, as [B, Sc, K, H] or `SharedPrefix`; gates [B, N, 3]. Entries past a row's
+    of each row, as [B, Sc, K, H] or `TokenStore`; gates [B, N, 3]. Entries past a row's
     position (keys after t, blocks not complete at t) are never used, even if NaN. Returns
     [B, N, H] in q.dtype, equal to `nsa_attention` at position t. Loads the compressed blocks,
     n * l' selected keys and w window keys per row (paper section 5.2).
@@ -816,7 +806,7 @@ def nsa_decode(
         raise ValueError(f"q must be [B, N, H], got shape {jnp.shape(q)}")
     B, N, H = q.shape
     k_slc, v_slc, k_win, v_win = _split_branches(k, v)
-    K = (k_slc.prefix if isinstance(k_slc, SharedPrefix) else k_slc).shape[2]
+    K = k_slc.num_kv_heads if isinstance(k_slc, TokenStore) else k_slc.shape[2]
     if K == 0 or N % K:
         raise ValueError(f"num_heads N={N} must be a multiple of num_kv_heads K={K}")
     if jnp.shape(gates) != (B, N, 3):

@@ -1,7 +1,8 @@
 """Attention: the one place that chooses the implementation (dense, nsa, squid).
 
-An attention kind is an `nnx.Module` class registered under a name with `@register_attention`;
-the model builds `ATTENTION[cfg.attention.kind](cfg, rngs=rngs)` and never branches on the kind.
+An attention kind is an `nnx.Module` class listed under its name in
+`rlcode.models.registry.ATTENTION` (`register_attention(kind)` adds one at run time); the model
+builds `ATTENTION[cfg.attention.kind](cfg, rngs=rngs)` and never branches on the kind.
 Every kind implements the same three calls:
 
 * `__call__(x_btd, positions_bt, mask) -> (y_btd, KVCache)` – a full causal forward over a
@@ -28,10 +29,9 @@ from flax import nnx
 from kernels import nsa as nsa_kernels
 from kernels import squid as squid_kernels
 from rlcode.models.layers import RMSNorm, apply_rope, fan_in_init, make_param
-from rlcode.models.registry import Registry
+from rlcode.models.registry import ATTENTION
 from rlcode.sharding import constrain
 
-ATTENTION = Registry("attention")
 register_attention = ATTENTION.register
 make_attention = ATTENTION.build
 
@@ -143,7 +143,6 @@ def merge_attention(parts: list[tuple[jax.Array, jax.Array]]) -> jax.Array:
     return squid_kernels.merge_partials(parts)[0]
 
 
-@register_attention("dense")
 class DenseAttention(nnx.Module):
     """Causal grouped-query attention through `jax.nn.dot_product_attention`."""
 
@@ -222,7 +221,6 @@ class DenseAttention(nnx.Module):
         return y[:, 0], suffix
 
 
-@register_attention("squid")
 class SquidAttention(DenseAttention):
     """Document-level attention whose per-document keys/values are reusable (docs/reference.md §8).
 
@@ -271,6 +269,45 @@ class NSACache(NamedTuple):
     cmp: KVCache
 
 
+class SharedPrefix(NamedTuple):
+    """Per-row sequences stored as prompts shared by groups of rows plus each row's own tail: the
+    sampler's cache layout (`rlcode.sampling`), read by `kernels.nsa.nsa_decode` as a `TokenStore`.
+
+    prefix [Pg, Sp, K, H]; lengths [Pg] int (valid prefix entries); suffix [B, Ss, K, H] with
+    B = Pg * G. Entry u of row b is prefix[b // G, u] when u < lengths[b // G], else
+    suffix[b, u - lengths[b // G]]. The prompt's keys are stored once per group; for compressed
+    keys, lengths counts the blocks complete inside the prompt
+    (`num_compressed_blocks(prompt_length, l, d)`), and suffix slot s is the s-th block completed
+    during generation (`NSACache`).
+    """
+
+    prefix: jax.Array
+    lengths: jax.Array
+    suffix: jax.Array
+
+    @property
+    def capacity(self) -> int:
+        """An upper bound on any row's length: Sp + Ss."""
+        return self.prefix.shape[1] + self.suffix.shape[1]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.prefix.shape[2]
+
+    def gather(self, pos_bkx: jax.Array) -> jax.Array:
+        """Entries at positions pos [B, K, X] of each row and kv head -> [B, K, X, H] (positions
+        are clamped to each part's range; the reader masks those past a row's end)."""
+        B, Kh = pos_bkx.shape[:2]
+        G = B // self.prefix.shape[0]
+        b = jnp.arange(B)[:, None, None]
+        kh = jnp.arange(Kh)[None, :, None]
+        plen = jnp.asarray(self.lengths, jnp.int32)[b // G]
+        prefix, suffix = jnp.asarray(self.prefix), jnp.asarray(self.suffix)
+        from_prefix = prefix[b // G, jnp.clip(pos_bkx, 0, prefix.shape[1] - 1), kh]
+        from_suffix = suffix[b, jnp.clip(pos_bkx - plen, 0, suffix.shape[1] - 1), kh]
+        return jnp.where((pos_bkx < plen)[..., None], from_prefix, from_suffix)
+
+
 class NSACompression(nnx.Module):
     """phi of NSA eq. 7 for each kv head: a block's l tokens [l, H] plus a learned intra-block
     position embedding [l, H], flattened (l*H) and mapped by a 2-layer MLP (SiLU) to one [H]."""
@@ -293,7 +330,6 @@ class NSACompression(nnx.Module):
         return jnp.einsum("bikf,kfh->bikh", h, self.w2[...].astype(dt)) + self.b2[...].astype(dt)
 
 
-@register_attention("nsa")
 class NSAAttention(nnx.Module):
     """Native Sparse Attention (NSA, Yuan et al. 2025, arXiv 2502.11089) as a model layer.
 
@@ -434,7 +470,7 @@ class NSAAttention(nnx.Module):
         completes = (start >= 0) & (start % d == 0)
         tokens = jnp.broadcast_to(jnp.maximum(start, 0)[:, None, None] + jnp.arange(l), (B, K, l))
         new_blocks = [
-            compress(nsa_kernels.SharedPrefix(pre, plen, suf).gather(tokens).transpose(0, 2, 1, 3)[:, None])[:, 0]
+            compress(SharedPrefix(pre, plen, suf).gather(tokens).transpose(0, 2, 1, 3)[:, None])[:, 0]
             for compress, pre, suf in ((self.k_compress, src_pre.k, src_suf.k), (self.v_compress, src_pre.v, src_suf.v))
         ]
         n_prompt_blocks = nsa_kernels.num_compressed_blocks(plen, l, d)  # [Pg]
@@ -447,7 +483,7 @@ class NSAAttention(nnx.Module):
         cmp = KVCache(put(suffix.cmp.k, new_blocks[0]), put(suffix.cmp.v, new_blocks[1]))
 
         def shared(pre, suf, lengths=plen):
-            return nsa_kernels.SharedPrefix(pre, lengths, suf)
+            return SharedPrefix(pre, lengths, suf)
 
         k_slc, v_slc = shared(prefix.kv.k, kv.k), shared(prefix.kv.v, kv.v)
         if self.shared_kv:

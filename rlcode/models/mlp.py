@@ -1,10 +1,11 @@
 """Feed-forward layers: the one place that chooses the implementation (dense, moe).
 
-An MLP kind is an `nnx.Module` class registered with `@register_mlp(kind)`, built as
-`MLP[cfg.mlp.kind](cfg, rngs=rngs)` and called as `mlp(x_btd) -> (y_btd, aux)`, where `aux` is a
-dict of auxiliary losses (names ending in "_loss", added to the objective by the train step) and
-metrics (scalars or arrays such as MoE's per-expert load) that the model sums over layers (empty
-for dense; see rlcode.models.moe).
+An MLP kind is an `nnx.Module` class listed in `rlcode.models.registry.MLP` (the built-in kinds:
+"dense" here, "moe" in rlcode.models.moe; `register_mlp(kind)` adds one at run time), built as
+`MLP[cfg.mlp.kind](cfg, rngs=rngs)` (`make_mlp(cfg, rngs=rngs)`) and called as
+`mlp(x_btd) -> (y_btd, aux)`, where `aux` is a dict of auxiliary losses (names ending in "_loss",
+added to the objective by the train step) and metrics (scalars or arrays such as MoE's per-expert
+load) that the model sums over layers (empty for dense; see rlcode.models.moe).
 """
 
 from __future__ import annotations
@@ -16,15 +17,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rlcode.models.layers import fan_in_init, make_param
-from rlcode.models.registry import Registry
+from rlcode.models.registry import MLP
 from rlcode.sharding import constrain
 
-MLP = Registry("mlp")
 register_mlp = MLP.register
 make_mlp = MLP.build
 
 
-@register_mlp("dense")
 class SwiGLU(nnx.Module):
     """y = W_down (silu(x W_gate) * (x W_up)) (Shazeer 2020, arXiv 2002.05202)."""
 
@@ -42,7 +41,3 @@ class SwiGLU(nnx.Module):
         up = jnp.einsum("btd,df->btf", x, self.w_up[...].astype(dt))
         h = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
         return jnp.einsum("btf,fd->btd", h, self.w_down[...].astype(dt)), {}
-
-
-# Registers kind "moe" (imported last: rlcode.models.moe builds on this module's registry).
-from rlcode.models import moe as _moe  # noqa: E402,F401

@@ -83,7 +83,6 @@ from jax.sharding import PartitionSpec as P
 
 from kernels.moe_gemm import grouped_matmul
 from rlcode.models.layers import fan_in_init, make_param
-from rlcode.models.mlp import register_mlp
 from rlcode.sharding import active_mesh
 
 MOE_OPTIONS: dict[str, Any] = {
@@ -313,7 +312,6 @@ def routed_dropless(x_nd: jax.Array, r: Routing, w: ExpertWeights, opts: MoEOpti
 # ---------------------------------------------------------------------------------------------
 
 
-@register_mlp("moe")
 class MoE(nnx.Module):
     """Routed SwiGLU experts plus optional shared experts; `moe(x_btd) -> (y_btd, aux)`.
 

@@ -11,13 +11,14 @@ import pytest
 
 from kernels import _triton
 from kernels.nsa import (
-    SharedPrefix,
+    TokenStore,
     check_sizes,
     nsa_attention,
     nsa_attention_reference,
     nsa_decode,
     num_compressed_blocks,
 )
+from rlcode.models.attention import SharedPrefix
 
 TRITON_SKIP = pytest.mark.skipif(
     _triton.available() is not None, reason=f"Triton kernels cannot run here: {_triton.available()}"
@@ -344,6 +345,9 @@ def test_decode_equals_full_forward_with_shared_prefix_cache():
         vc = SharedPrefix(prefix_cmp["v_cmp"], jnp.asarray(n_prompt_blocks), suffix_cmp["v_cmp"])
         return nsa_decode(q, k, v, kc, vc, gates, pos, **sizes)
 
+    # The decode reads the model layer's layout through its TokenStore interface; arrays directly.
+    assert isinstance(SharedPrefix(prefix["k_slc"], p, prefix["k_slc"]), TokenStore)
+    assert not isinstance(jnp.asarray(prefix["k_slc"]), TokenStore)
     suffix = {name: np.full((B, M, K, H), nan, np.float32) for name in ("k_slc", "v_slc")}
     suffix_cmp = {name: np.full((B, Ssc, K, H), nan, np.float32) for name in ("k_cmp", "v_cmp")}
     for s in range(M):

@@ -1,4 +1,9 @@
-"""The Triton launcher: the same @triton.jit source runs through the interpreter on CPU."""
+"""The Triton launcher: the same @triton.jit source runs through the interpreter on CPU, as the
+explicit `configure` choice says; importing the kernels sets nothing in the environment."""
+
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -7,10 +12,21 @@ import pytest
 
 from kernels import _triton
 
-pytestmark = pytest.mark.skipif(_triton.available() is not None, reason=f"Triton unavailable: {_triton.available()}")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TRITON_SKIP = pytest.mark.skipif(_triton.available() is not None, reason=f"Triton unavailable: {_triton.available()}")
 
 if _triton.HAVE_TRITON:
     tl = _triton.tl
+
+    @_triton.triton.jit
+    def _relu(x):
+        return tl.maximum(x, 0.0)
+
+    @_triton.triton.jit
+    def _axpy_relu_kernel(x_ptr, n, out_ptr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        tl.store(out_ptr + offs, _relu(tl.load(x_ptr + offs, mask=m, other=0.0)), mask=m)
 
     @_triton.triton.jit
     def _axpy_kernel(x_ptr, y_ptr, n, alpha, out_ptr, sum_ptr, BLOCK: tl.constexpr):
@@ -46,6 +62,7 @@ def _axpy(x, y, alpha, block=32):
     )
 
 
+@TRITON_SKIP
 @pytest.mark.parametrize("n", [1, 31, 32, 100])
 def test_add_matches_numpy_with_scalars_and_two_outputs(n):
     rng = np.random.default_rng(n)
@@ -57,6 +74,7 @@ def test_add_matches_numpy_with_scalars_and_two_outputs(n):
     np.testing.assert_allclose(float(total), float(np.sum(2.5 * x + y)), rtol=1e-5, atol=1e-5)
 
 
+@TRITON_SKIP
 @pytest.mark.parametrize("dtype,tol", [(np.float32, 1e-5), (np.float16, 2e-2)])
 @pytest.mark.parametrize("M,N,K", [(16, 16, 16), (70, 40, 50), (5, 33, 17)])
 def test_matmul_matches_numpy(M, N, K, dtype, tol):
@@ -74,6 +92,7 @@ def test_matmul_matches_numpy(M, N, K, dtype, tol):
     np.testing.assert_allclose(np.asarray(c), want, rtol=tol, atol=tol * np.sqrt(K))
 
 
+@TRITON_SKIP
 def test_vmap_runs_one_launch_per_row():
     x = jnp.arange(12, dtype=jnp.float32).reshape(3, 4)
     out, total = jax.vmap(lambda a: _axpy(a, a, 1.0))(x)
@@ -81,6 +100,7 @@ def test_vmap_runs_one_launch_per_row():
     np.testing.assert_allclose(np.asarray(total), 2 * np.asarray(x).sum(1))
 
 
+@TRITON_SKIP
 def test_dispatch_rule_and_bad_arguments():
     assert _triton.use_triton("xla") is False
     assert _triton.use_triton("triton") is True
@@ -89,3 +109,40 @@ def test_dispatch_rule_and_bad_arguments():
         _triton.use_triton("cuda")
     with pytest.raises(ValueError, match="grid"):
         _triton.triton_call(jnp.ones(4), kernel=_axpy_kernel, out_shape=jax.ShapeDtypeStruct((4,), jnp.float32), grid=(1, 1, 1, 1))
+
+
+def test_importing_the_kernels_leaves_the_environment_alone():
+    code = ("import os; before = dict(os.environ); "
+            "import kernels, kernels._triton, kernels.flash, kernels.moe_gemm, kernels.mxfp8, kernels.nsa, kernels.squid; "
+            "changed = sorted(k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k)); "
+            "assert not changed, changed")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+@TRITON_SKIP
+def test_interpretation_is_the_configured_choice():
+    before = _triton.interpreting()
+    x = jnp.asarray([-2.0, -0.5, 0.0, 1.5, 3.0], jnp.float32)
+
+    def relu(a):
+        return _triton.triton_call(a, a.shape[0], kernel=_axpy_relu_kernel,
+                                   out_shape=jax.ShapeDtypeStruct(a.shape, a.dtype), grid=(2,), BLOCK=4)
+
+    try:
+        # Interpreted on any backend when asked; the kernel's helper is interpreted with it.
+        assert _triton.configure(interpret=True) is True and _triton.interpreting()
+        assert _triton.available() is None and _triton.use_triton("auto") is False
+        np.testing.assert_array_equal(np.asarray(relu(x)), np.maximum(np.asarray(x), 0))
+        if not _triton.on_gpu():
+            # Compiled needs a CUDA device: refused with the reason, never run interpreted instead.
+            assert _triton.configure(interpret=False) is False and not _triton.interpreting()
+            assert "CUDA" in _triton.available()
+            with pytest.raises(RuntimeError, match="configure"):
+                relu(x)
+        assert _triton.configure() is (not _triton.on_gpu())
+        with pytest.raises(TypeError):
+            _triton.configure(interpret="yes")
+    finally:
+        _triton.configure(interpret=before)

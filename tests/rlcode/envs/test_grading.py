@@ -14,6 +14,7 @@ the real `rlcode.sandbox.SandboxPool`.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
 import os
@@ -449,6 +450,23 @@ def test_runner_gets_nonce_on_stdin_and_a_clean_directory(tmp_path):
     assert os.listdir(wd) and sorted(os.listdir(tmp_path)) == ["rollouts"]
     assert run_grade(task, wd, tmp_path, executor=executor).all_passed
     assert executor.calls[1][1] != stdin  # a fresh nonce per run
+
+
+def test_runner_is_a_module_that_runs_only_as_main():
+    # Imported (in a fresh interpreter: the program would take over stdin and the descriptors), the
+    # module defines its one function and runs nothing; it keeps no state in its globals.
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(grading.__file__))))
+    code = ("import rlcode.envs.pytest_runner as r; "
+            "print(sorted(k for k in vars(r) if not k.startswith('__')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=repo, stdin=subprocess.DEVNULL, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout == "['_runner']\n", (out.stdout, out.stderr[-2000:])
+    # What is shipped is that file's text, whose last statement starts the program when it runs as
+    # a ``-c`` program (``__name__ == "__main__"``).
+    with open(os.path.join(repo, "rlcode", "envs", "pytest_runner.py"), encoding="utf-8") as f:
+        assert grading.RUNNER == f.read()
+    last = ast.parse(grading.RUNNER).body[-1]
+    assert ast.unparse(last) == "if __name__ == '__main__':\n    _runner()"
 
 
 def test_checks_get_inputs_only_in_a_copy_without_heldout_files(tmp_path):
