@@ -57,7 +57,7 @@ import numpy as np
 from flax import nnx
 
 from rlcode import advantages as adv_lib
-from rlcode import sampling
+from rlcode import losses, sampling
 from rlcode.checks import ConfigError, config_errors, flag, integer, real, schema_from_defaults, sequence, text
 from rlcode.envs import grading, harness, repo_tasks, rewards, tools
 from rlcode.sandbox import fstree
@@ -650,6 +650,8 @@ def run(cfg: Any, *, pool: Any = None, log: Callable[[str], None] | None = None)
     t_start = time.perf_counter()
     devices = jax.devices()
     validate_config(cfg, len(devices), memory.limits(devices))
+    # The sections the library reads, converted once into their frozen, validated dataclasses.
+    objective = losses.ObjectiveConfig.from_config(cfg.loss)
     workdir, ckpt_dir = prepare_workdir(cfg, log or (lambda m: print(m, file=sys.stderr, flush=True)))
     own_pool = pool is None
     if own_pool:
@@ -687,7 +689,7 @@ def run(cfg: Any, *, pool: Any = None, log: Callable[[str], None] | None = None)
         mesh, rules = make_mesh(cfg.mesh), rules_from_config(cfg.mesh)
         optimizer = make_optimizer(cfg.optim)
         graphdef, state = init_train_state(model, optimizer, cfg.seed, mesh, rules)
-        ref_params = jax.tree.map(jnp.copy, state.params) if cfg.loss.kl_coef > 0 else None
+        ref_params = jax.tree.map(jnp.copy, state.params) if objective.kl_coef > 0 else None
         if cfg.resume:
             restored = ckpt.restore_or_none(target=state)
             if restored is not None:
@@ -696,7 +698,7 @@ def run(cfg: Any, *, pool: Any = None, log: Callable[[str], None] | None = None)
                 first_eval = extra.get("first_eval")
                 say(f"resumed from {ckpt_dir} at step {start}")
         temperature = cfg.sampling.temperature
-        train_step = make_train_step(graphdef, cfg.loss, optimizer, microbatches=cfg.train.microbatches,
+        train_step = make_train_step(graphdef, objective, optimizer, microbatches=cfg.train.microbatches,
                                      temperature=temperature, mesh=mesh, rules=rules,
                                      shardings=state_shardings(state), log_entropy=True)
         logprob_fn = make_logprob_fn(graphdef, temperature)

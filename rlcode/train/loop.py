@@ -553,6 +553,8 @@ def run(cfg: Any, *, pool: Any = None, log: Callable[[str], None] | None = None,
     hooks = hooks or {}
     devices = jax.devices()
     validate_config(cfg, len(devices), memory.limits(devices))
+    # Each section the library reads, converted once into its frozen, validated dataclass.
+    objective = losses.ObjectiveConfig.from_config(cfg.loss)
     workdir, ckpt_dir = prepare_workdir(cfg, log or (lambda m: print(m, file=sys.stderr, flush=True)))
     own_pool = pool is None
     if own_pool:
@@ -599,7 +601,7 @@ def run(cfg: Any, *, pool: Any = None, log: Callable[[str], None] | None = None,
         optimizer = make_optimizer(cfg.optim)
         graphdef, state = init_train_state(model, optimizer, cfg.seed, mesh, rules)
         shardings = state_shardings(state)
-        ref_params = jax.tree.map(jnp.copy, state.params) if cfg.loss.kl_coef > 0 else None
+        ref_params = jax.tree.map(jnp.copy, state.params) if objective.kl_coef > 0 else None
         start = 0
         if cfg.resume:
             restored = ckpt.restore_or_none(target=state)
@@ -612,7 +614,7 @@ def run(cfg: Any, *, pool: Any = None, log: Callable[[str], None] | None = None,
         total = cfg.train.steps
         sopts = cfg.sampling
         train_step = make_train_step(
-            graphdef, cfg.loss, optimizer, microbatches=cfg.train.microbatches, temperature=sopts.temperature,
+            graphdef, objective, optimizer, microbatches=cfg.train.microbatches, temperature=sopts.temperature,
             top_k=sopts.top_k or None, top_p=sopts.top_p, mesh=mesh, rules=rules, shardings=shardings,
             log_entropy=True)
         G, P = cfg.rollout.group_size, cfg.rollout.prompts_per_step

@@ -45,14 +45,9 @@ MODEL_SPECS = {
 }
 ADVANTAGE_SPECS = {"estimator": text(ADVANTAGE_ESTIMATORS), "normalize": text(NORMALIZE_MODES),
                    "eps": real(0, low_open=True), "gamma": real(0, 1), "lam": real(0, 1)}
-LOSS_SPECS = {
-    "kind": text(losses.POLICY_KINDS), "clip_low": real(0), "clip_high": real(0),
-    "dual_clip": real(1, low_open=True, none_ok=True), "agg": text(losses.AGG_MODES),
-    "norm_length": integer(1, none_ok=True), "is_mode": text(losses.IS_MODES), "is_level": text(losses.IS_LEVELS),
-    "is_cap": real(0, low_open=True), "is_low": real(0), "is_high": real(0, low_open=True), "kl_coef": real(0),
-    "kl_kind": text(losses.KL_KINDS), "kl_penalty": text(("loss", "reward")), "entropy_coef": real(0),
-    "value_coef": real(0), "value_clip": real(0),
-}
+# The loss section is checked with the Specs of `losses.ObjectiveConfig`, the typed section the
+# library reads it as.
+LOSS_SPECS = {**losses.POLICY_SPECS, **losses.OBJECTIVE_SPECS}
 SFT_SPECS = {"steps": integer(0), "batch_size": integer(1), "microbatches": integer(1), "lr": real(0, low_open=True),
              "warmup_steps": integer(0), "min_lr_ratio": real(0, 1), "weight_decay": real(0), "grad_clip": real(0),
              "cache_dir": text(), "log_every": integer(0)}
@@ -163,7 +158,7 @@ def check_common(cfg: Any, num_devices: int | None = None) -> None:
                               f"{tuple(known_rules)} and mesh axes of {MESH_AXES}")
     mesh_sizes(cfg.mesh, num_devices)
     with config_errors("loss"):
-        losses.validate_loss_config(cfg.loss)
+        losses.ObjectiveConfig.from_config(cfg.loss)
     if cfg.sft.steps > 0 and cfg.sft.batch_size % cfg.sft.microbatches:
         raise ConfigError(f"sft.batch_size={cfg.sft.batch_size} is not divisible by sft.microbatches="
                           f"{cfg.sft.microbatches}")

@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import tiny_job  # noqa: E402
 
 from rlcode.checks import ConfigError  # noqa: E402
+from rlcode.losses import ObjectiveConfig  # noqa: E402
 from rlcode.models.attention import attention_config  # noqa: E402
 from rlcode.models.moe import moe_config  # noqa: E402
 from rlcode.models.transformer import init_model  # noqa: E402
@@ -47,7 +48,7 @@ def test_train_step_estimate_is_close_to_xla_memory_analysis(tmp_path, kind):
     rows, T = 8, 256
     optimizer = make_optimizer(cfg.optim)
     graphdef, state = init_train_state(init_model(cfg.model, 0), optimizer, 0)
-    step = make_train_step(graphdef, cfg.loss, optimizer)
+    step = make_train_step(graphdef, ObjectiveConfig.from_config(cfg.loss), optimizer)
     zeros = jnp.zeros((rows, T), jnp.float32)
     batch = {"inputs": jnp.zeros((rows, T), jnp.int32), "targets": jnp.zeros((rows, T), jnp.int32),
              "positions": jnp.broadcast_to(jnp.arange(T), (rows, T)), "mask": jnp.ones((rows, T), bool),
