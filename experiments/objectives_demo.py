@@ -29,6 +29,7 @@ from ml_collections import config_flags
 from rlcode import advantages as adv_lib
 from rlcode import losses
 from rlcode.envs import sequence_bandit as bandit
+from rlcode.recipes import ShapingConfig
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/objectives_demo.py", "Experiment config.")
 
@@ -94,6 +95,8 @@ def run(cfg: ml_collections.ConfigDict, verbose: bool = True) -> list[dict[str, 
     """Train and return the logged history (a list of metric dicts, one per logged step)."""
     # The sections the library reads, converted once into their frozen, validated dataclasses.
     objective = losses.ObjectiveConfig.from_config(cfg.loss)
+    advantage = adv_lib.AdvantageConfig.from_config(cfg.advantage)
+    shaping = ShapingConfig.from_config(cfg.shaping)
     P, G = cfg.rollout.prompts_per_step, cfg.rollout.group_size
     B = P * G
     n_mini, n_micro = cfg.train.minibatches, cfg.train.microbatches
@@ -129,12 +132,12 @@ def run(cfg: ml_collections.ConfigDict, verbose: bool = True) -> list[dict[str, 
         old_logp = losses.logprobs_from_logits(p["logits"][prompts], tokens)
         ref_logp = losses.logprobs_from_logits(ref_logits[prompts], tokens)
         reward = batch["reward"]
-        if cfg.shaping.overlong_cache_length > 0:
-            reward = reward + adv_lib.overlong_penalty(mask.sum(-1), T, cfg.shaping.overlong_cache_length)
+        if shaping.overlong_cache_length > 0:
+            reward = reward + adv_lib.overlong_penalty(mask.sum(-1), T, shaping.overlong_cache_length)
         if objective.kl_coef > 0 and objective.kl_penalty == "reward":
             reward = losses.kl_reward_penalty(reward, batch["beh_logp"], ref_logp, mask, objective.kl_coef)
         old_values = p["value"][prompts] if "value" in p else None
-        adv, returns = adv_lib.compute_advantages(cfg.advantage, reward, mask, G, values=old_values, valid=batch["valid"])
+        adv, returns = adv_lib.compute_advantages(advantage, reward, mask, G, values=old_values, valid=batch["valid"])
         out = {"prompt": prompts, "tokens": tokens, "mask": mask, "old_logp": old_logp, "adv": adv}
         if use_behavior:
             out["beh_logp"] = batch["beh_logp"]

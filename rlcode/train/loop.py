@@ -57,6 +57,7 @@ from rlcode import losses
 from rlcode.checks import ConfigError, flag, flatten, integer, real, schema_from_defaults, sequence, text
 from rlcode.envs.tasks import synth
 from rlcode.models.transformer import init_model
+from rlcode.recipes import ShapingConfig
 from rlcode.sampling import SampleOutput, SamplingConfig, to_training_batch
 from rlcode.sharding import make_mesh, rules_from_config
 from rlcode.tokenizer import ByteTokenizer
@@ -172,17 +173,16 @@ def build_tasks(cfg: Any, tokenizer: ByteTokenizer) -> tuple[EncodedTasks, Encod
 # ------------------------------------------------------------------------------ batches
 
 
-def make_prepare_fn(cfg: Any, graphdef: Any, group_size: int, pad_id: int, trim_multiple: int = 32) -> Callable:
+def make_prepare_fn(objective: losses.ObjectiveConfig, adv_cfg: adv_lib.AdvantageConfig, sampling: SamplingConfig,
+                    graphdef: Any, group_size: int, pad_id: int, trim_multiple: int = 32) -> Callable:
     """fn(params, ref_params, rollout) -> train batch: the training layout (time axis trimmed,
     see `trim_batch`), old log-probs and values under `params`, reference log-probs, rewards with
     the KL penalty when it is a reward term, advantages (and returns for GAE)."""
-    sampling = cfg.sampling
     opts = dict(temperature=sampling.temperature, top_k=sampling.top_k or None, top_p=sampling.top_p)
     logprob = make_logprob_fn(graphdef, **opts)
-    use_ref = cfg.loss.kl_coef > 0
-    kl_in_reward = use_ref and cfg.loss.kl_penalty == "reward"
-    adv_cfg = cfg.advantage
-    needs_values = cfg.advantage.estimator == "gae" or cfg.loss.value_coef > 0
+    use_ref = objective.kl_coef > 0
+    kl_in_reward = use_ref and objective.kl_penalty == "reward"
+    needs_values = adv_cfg.estimator == "gae" or objective.value_coef > 0
 
     @jax.jit
     def scores(params, ref_params, batch, rewards, valid):
@@ -194,7 +194,7 @@ def make_prepare_fn(cfg: Any, graphdef: Any, group_size: int, pad_id: int, trim_
             ref_logp = jnp.where(mask, ref_logp, 0.0)
             batch["ref_logp"] = ref_logp
             if kl_in_reward:
-                rewards = losses.kl_reward_penalty(rewards, old_logp, ref_logp, mask, cfg.loss.kl_coef)
+                rewards = losses.kl_reward_penalty(rewards, old_logp, ref_logp, mask, objective.kl_coef)
         advantages, returns = adv_lib.compute_advantages(adv_cfg, rewards, mask, group_size,
                                                          values=values if needs_values else None, valid=valid)
         batch = dict(batch, advantages=advantages, old_logp=old_logp)
@@ -555,6 +555,9 @@ def run(cfg: Any, *, pool: Any = None, log: Callable[[str], None] | None = None,
     validate_config(cfg, len(devices), memory.limits(devices))
     # Each section the library reads, converted once into its frozen, validated dataclass.
     objective = losses.ObjectiveConfig.from_config(cfg.loss)
+    advantage = adv_lib.AdvantageConfig.from_config(cfg.advantage)
+    shaping = ShapingConfig.from_config(cfg.shaping)
+    sopts = SamplingConfig.from_config(cfg.sampling)
     workdir, ckpt_dir = prepare_workdir(cfg, log or (lambda m: print(m, file=sys.stderr, flush=True)))
     own_pool = pool is None
     if own_pool:
@@ -612,20 +615,18 @@ def run(cfg: Any, *, pool: Any = None, log: Callable[[str], None] | None = None,
             else:
                 say(f"resume: no checkpoint in {ckpt_dir}; starting from the warm start")
         total = cfg.train.steps
-        sopts = cfg.sampling
         train_step = make_train_step(
             graphdef, objective, optimizer, microbatches=cfg.train.microbatches, temperature=sopts.temperature,
             top_k=sopts.top_k or None, top_p=sopts.top_p, mesh=mesh, rules=rules, shardings=shardings,
             log_entropy=True)
         G, P = cfg.rollout.group_size, cfg.rollout.prompts_per_step
-        prepare = make_prepare_fn(cfg, graphdef, G, tokenizer.pad_id)
-        sampling = SamplingConfig(max_new_tokens=sopts.max_new_tokens, temperature=sopts.temperature,
-                                  top_k=sopts.top_k or None, top_p=sopts.top_p, stop_ids=(tokenizer.eos_id,),
-                                  pad_id=tokenizer.pad_id)
+        prepare = make_prepare_fn(objective, advantage, sopts, graphdef, G, tokenizer.pad_id)
+        sampling = dataclasses.replace(sopts, top_k=sopts.top_k or None, stop_ids=(tokenizer.eos_id,),
+                                       pad_id=tokenizer.pad_id)
         grader = Grader(pool, timeout=cfg.reward.timeout)
-        collector = RolloutCollector(graphdef, train_tasks, tokenizer, grader, sampling, cfg.reward, cfg.shaping, G)
+        collector = RolloutCollector(graphdef, train_tasks, tokenizer, grader, sampling, cfg.reward, shaping, G)
         eval_pools = {"eval": eval_tasks, "eval_fresh": fresh_tasks}
-        eval_collectors = {name: RolloutCollector(graphdef, tasks, tokenizer, grader, sampling, cfg.reward, cfg.shaping,
+        eval_collectors = {name: RolloutCollector(graphdef, tasks, tokenizer, grader, sampling, cfg.reward, shaping,
                                                   cfg.eval.num_samples)
                            for name, tasks in eval_pools.items() if tasks is not None}
         base_key = jax.random.key(cfg.seed)
@@ -635,7 +636,7 @@ def run(cfg: Any, *, pool: Any = None, log: Callable[[str], None] | None = None,
             # Deterministic per (seed, count): a resumed run draws the same prompts again.
             rng = np.random.default_rng([cfg.seed, count])
             return collector.collect(params, rng, jax.random.fold_in(sample_key, count), version, P,
-                                     dynamic_sampling=cfg.shaping.dynamic_sampling, max_draws=cfg.rollout.max_draws)
+                                     dynamic_sampling=shaping.dynamic_sampling, max_draws=cfg.rollout.max_draws)
 
         def run_eval(step):
             out = {}

@@ -21,6 +21,8 @@ from rlcode.sampling import SampleOutput, SamplingConfig  # noqa: E402
 from rlcode.sandbox.spec import ExecResult  # noqa: E402
 from rlcode.tokenizer import ByteTokenizer  # noqa: E402
 from rlcode.train import loop, sft  # noqa: E402
+from rlcode.advantages import AdvantageConfig  # noqa: E402
+from rlcode.losses import ObjectiveConfig  # noqa: E402
 from rlcode.train.rollout import Grader, RolloutCollector, encode_tasks, reward_config, trim_batch  # noqa: E402
 
 TOK = ByteTokenizer()
@@ -144,6 +146,12 @@ def _collector(tasks, plan, shaping=None, reward=None, G=2):
                             sample_fn=_fake_sampler(plan))
 
 
+def _prepare_fn(cfg, graphdef, G):
+    """`loop.make_prepare_fn` with the typed sections `loop.run` builds from the job's config."""
+    return loop.make_prepare_fn(ObjectiveConfig.from_config(cfg.loss), AdvantageConfig.from_config(cfg.advantage),
+                                SamplingConfig.from_config(cfg.sampling), graphdef, G, TOK.pad_id)
+
+
 def test_rewards_valid_and_terms(tasks):
     c = _collector(tasks, [["PASS", "x", "INFRA", "PASS"]], reward=reward_config(truncation_penalty=0.5))
     r = c.sample_and_grade(None, np.array([0, 1]), jax.random.key(0), version=3)
@@ -199,7 +207,7 @@ def test_prepare_masks_invalid_rows_and_matches_oracle(tmp_path, tasks):
     G = 4
     c = _collector(tasks, [["PASS", "x", "INFRA", "PASS", "x", "x", "PASS", "x"]], G=G)
     r = c.sample_and_grade(None, np.array([0, 1]), jax.random.key(0), version=0)
-    batch = loop.make_prepare_fn(cfg, graphdef, G, TOK.pad_id)(params, None, r)
+    batch = _prepare_fn(cfg, graphdef, G)(params, None, r)
     mask = np.asarray(batch["mask"])
     assert not mask[2].any() and mask[[0, 1, 3]].any(-1).all()
     adv = np.asarray(batch["advantages"])
@@ -263,7 +271,7 @@ def test_prepare_kl_as_reward_penalty(tmp_path, tasks):
     G = 4
     c = _collector(tasks, [["PASS", "x", "x", "PASS", "x", "x", "PASS", "x"]], G=G)
     r = c.sample_and_grade(None, np.array([0, 1]), jax.random.key(0), version=0)
-    batch = loop.make_prepare_fn(cfg, graphdef, G, TOK.pad_id)(params, ref_params, r)
+    batch = _prepare_fn(cfg, graphdef, G)(params, ref_params, r)
     mask = np.asarray(batch["mask"])
     kl = ((np.asarray(batch["old_logp"], np.float64) - np.asarray(batch["ref_logp"], np.float64)) * mask).sum(-1)
     shaped = r.rewards - 0.5 * kl
