@@ -322,7 +322,8 @@ def _episode_kwargs(cfg: Any) -> dict[str, Any]:
 
 def _grade(task, traj, pool, cfg) -> Episode:
     grade = grading.grade(task, traj.workdir, pool, timeout=cfg.sandbox.timeout)
-    reward, terms, flags, valid = rewards.compute_reward(grade, traj, task, cfg.reward)
+    reward_cfg = rewards.RewardConfig.from_config(cfg.reward)
+    reward, terms, flags, valid = rewards.compute_reward(grade, traj, task, reward_cfg)
     hacked = bool(set(flags) & set(cfg.reward.hack_flags))
     success = valid and grade.status == "ok" and grade.all_passed and not hacked
     return Episode(task, traj, reward, terms, flags, valid, hacked, success)
@@ -580,7 +581,7 @@ AGENT_SECTIONS = {
     "sampling": {"temperature": real(0, low_open=True)},
     "rollout": {"prompts_per_step": integer(1), "group_size": integer(1)},
     "sandbox": {"workers": integer(1, MAX_SANDBOX_WORKERS), "timeout": real(0, low_open=True)},
-    # Ranges: `rewards.read_reward_config`, run by `validate_config`.
+    # Ranges: `rewards.RewardConfig.from_config`, run by `validate_config`.
     "reward": schema_from_defaults(rewards.reward_config(), {"test_reward": text(rewards.TEST_REWARDS),
                                                              "hack_flags": sequence(text(grading.FLAGS)),
                                                              "hack_mode": text(rewards.HACK_MODES)}),
@@ -634,7 +635,7 @@ def validate_config(cfg: Any, num_devices: int | None = None,
         raise ConfigError(f"train.microbatches={cfg.train.microbatches}: must divide {ROW_MULTIPLE} (the training "
                           f"batch is padded to a multiple of {ROW_MULTIPLE} rows)")
     with config_errors("reward"):
-        rewards.read_reward_config(cfg.reward)
+        rewards.RewardConfig.from_config(cfg.reward)
     if num_devices is not None:
         sizes = mesh_sizes(cfg.mesh, num_devices)
         shards = sizes["data"] * sizes["fsdp"]
