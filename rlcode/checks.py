@@ -60,13 +60,6 @@ def one_of(value: str, allowed: tuple[str, ...], field: str) -> str:
     return value
 
 
-def config_get(config: Any, name: str, default: Any) -> Any:
-    """Field `name` of a ConfigDict, dataclass or mapping, or `default` when it has none."""
-    if isinstance(config, Mapping):
-        return config.get(name, default)
-    return getattr(config, name, default)
-
-
 def apply_overrides(cfg: Any, overrides: Mapping[str, Any], section: str) -> None:
     """Set known fields of a ConfigDict; an unknown field is a ValueError naming the section."""
     for key, value in overrides.items():

@@ -71,6 +71,7 @@ from rlcode.train.loop import RunResult, _StopFlag, default_pool, prepare_workdi
 from rlcode.train.metrics import EventWriter, eval_summary, repair_json_lines
 from rlcode.train.schema import MAX_SANDBOX_WORKERS, SEED, check_common, check_schema, mesh_sizes
 from rlcode.train.progress import Progress
+from rlcode.train.rollout import SandboxConfig
 from rlcode.train.step import (init_train_state, make_logprob_fn, make_optimizer, make_train_step,
                                state_shardings)
 
@@ -652,11 +653,12 @@ def run(cfg: Any, *, pool: Any = None, log: Callable[[str], None] | None = None)
     devices = jax.devices()
     validate_config(cfg, len(devices), memory.limits(devices))
     # The sections the library reads, converted once into their frozen, validated dataclasses.
-    objective = losses.ObjectiveConfig.from_config(cfg.loss)
+    objective, sandbox = losses.ObjectiveConfig.from_config(cfg.loss), SandboxConfig.from_config(cfg.sandbox)
+    temperature = sampling.SamplingConfig.from_config(cfg.sampling).temperature
     workdir, ckpt_dir = prepare_workdir(cfg, log or (lambda m: print(m, file=sys.stderr, flush=True)))
     own_pool = pool is None
     if own_pool:
-        pool = default_pool(cfg.sandbox.workers, cfg.sandbox.timeout)
+        pool = default_pool(sandbox.workers, sandbox.timeout)
     writer = EventWriter(os.path.join(workdir, "tb"))
     ckpt = Checkpointer(ckpt_dir, keep=cfg.checkpoint.keep, async_save=True)
     progress: Progress | None = None
@@ -698,7 +700,6 @@ def run(cfg: Any, *, pool: Any = None, log: Callable[[str], None] | None = None)
                 start = int(extra["iteration"])
                 first_eval = extra.get("first_eval")
                 say(f"resumed from {ckpt_dir} at step {start}")
-        temperature = cfg.sampling.temperature
         train_step = make_train_step(graphdef, objective, optimizer, microbatches=cfg.train.microbatches,
                                      temperature=temperature, mesh=mesh, rules=rules,
                                      shardings=state_shardings(state), log_entropy=True)

@@ -66,8 +66,8 @@ from rlcode.train import sft as sft_lib
 from rlcode.train.checkpoint import Checkpointer
 from rlcode.train.metrics import EventWriter, eval_summary
 from rlcode.train.progress import Progress
-from rlcode.train.rollout import (TEST_REWARDS, EncodedTasks, Grader, Rollout, RolloutCollector, encode_tasks,
-                                  reward_config, trim_batch)
+from rlcode.train.rollout import (TEST_REWARDS, EncodedTasks, Grader, Rollout, RolloutCollector, RolloutConfig,
+                                  SandboxConfig, SynthRewardConfig, encode_tasks, reward_config, trim_batch)
 from rlcode.train.schema import MAX_SANDBOX_WORKERS, SEED, check_common, check_schema, mesh_sizes
 from rlcode.train.step import init_train_state, make_logprob_fn, make_optimizer, make_train_step, state_shardings
 
@@ -556,12 +556,13 @@ def run(cfg: Any, *, pool: Any = None, log: Callable[[str], None] | None = None,
     # Each section the library reads, converted once into its frozen, validated dataclass.
     objective = losses.ObjectiveConfig.from_config(cfg.loss)
     advantage = adv_lib.AdvantageConfig.from_config(cfg.advantage)
-    shaping = ShapingConfig.from_config(cfg.shaping)
+    reward, shaping = SynthRewardConfig.from_config(cfg.reward), ShapingConfig.from_config(cfg.shaping)
+    rollout, sandbox = RolloutConfig.from_config(cfg.rollout), SandboxConfig.from_config(cfg.sandbox)
     sopts = SamplingConfig.from_config(cfg.sampling)
     workdir, ckpt_dir = prepare_workdir(cfg, log or (lambda m: print(m, file=sys.stderr, flush=True)))
     own_pool = pool is None
     if own_pool:
-        pool = default_pool(cfg.sandbox.workers, cfg.reward.timeout)
+        pool = default_pool(sandbox.workers, reward.timeout)
     stop = _StopFlag()
     sampler: AsyncSampler | None = None
     writer = EventWriter(os.path.join(workdir, "tb"))
@@ -619,14 +620,14 @@ def run(cfg: Any, *, pool: Any = None, log: Callable[[str], None] | None = None,
             graphdef, objective, optimizer, microbatches=cfg.train.microbatches, temperature=sopts.temperature,
             top_k=sopts.top_k or None, top_p=sopts.top_p, mesh=mesh, rules=rules, shardings=shardings,
             log_entropy=True)
-        G, P = cfg.rollout.group_size, cfg.rollout.prompts_per_step
+        G, P = rollout.group_size, rollout.prompts_per_step
         prepare = make_prepare_fn(objective, advantage, sopts, graphdef, G, tokenizer.pad_id)
         sampling = dataclasses.replace(sopts, top_k=sopts.top_k or None, stop_ids=(tokenizer.eos_id,),
                                        pad_id=tokenizer.pad_id)
-        grader = Grader(pool, timeout=cfg.reward.timeout)
-        collector = RolloutCollector(graphdef, train_tasks, tokenizer, grader, sampling, cfg.reward, shaping, G)
+        grader = Grader(pool, timeout=reward.timeout)
+        collector = RolloutCollector(graphdef, train_tasks, tokenizer, grader, sampling, reward, shaping, G)
         eval_pools = {"eval": eval_tasks, "eval_fresh": fresh_tasks}
-        eval_collectors = {name: RolloutCollector(graphdef, tasks, tokenizer, grader, sampling, cfg.reward, shaping,
+        eval_collectors = {name: RolloutCollector(graphdef, tasks, tokenizer, grader, sampling, reward, shaping,
                                                   cfg.eval.num_samples)
                            for name, tasks in eval_pools.items() if tasks is not None}
         base_key = jax.random.key(cfg.seed)
@@ -636,7 +637,7 @@ def run(cfg: Any, *, pool: Any = None, log: Callable[[str], None] | None = None,
             # Deterministic per (seed, count): a resumed run draws the same prompts again.
             rng = np.random.default_rng([cfg.seed, count])
             return collector.collect(params, rng, jax.random.fold_in(sample_key, count), version, P,
-                                     dynamic_sampling=shaping.dynamic_sampling, max_draws=cfg.rollout.max_draws)
+                                     dynamic_sampling=shaping.dynamic_sampling, max_draws=rollout.max_draws)
 
         def run_eval(step):
             out = {}
@@ -660,10 +661,10 @@ def run(cfg: Any, *, pool: Any = None, log: Callable[[str], None] | None = None,
         if start == 0 and cfg.eval.every >= 0 and cfg.eval.at_start:
             first_eval = last_eval = run_eval(0)
 
-        async_mode = bool(cfg.rollout.async_mode)
+        async_mode = bool(rollout.async_mode)
         if async_mode:
             store = ParamStore(state.params, start)
-            sampler = AsyncSampler(collect, store, cfg.rollout.max_staleness)
+            sampler = AsyncSampler(collect, store, rollout.max_staleness)
         mb_rng = np.random.default_rng([cfg.seed, 7, start])
         progress = Progress(total, desc=f"{cfg.objective}" + (" async" if async_mode else ""), start=start)
         interrupted = False
@@ -680,7 +681,7 @@ def run(cfg: Any, *, pool: Any = None, log: Callable[[str], None] | None = None,
                     while True:
                         r = sampler.get()
                         staleness = step - r.version
-                        if staleness <= cfg.rollout.max_staleness:
+                        if staleness <= rollout.max_staleness:
                             break
                         dropped_stale += 1
                 else:

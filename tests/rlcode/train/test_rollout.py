@@ -23,7 +23,9 @@ from rlcode.tokenizer import ByteTokenizer  # noqa: E402
 from rlcode.train import loop, sft  # noqa: E402
 from rlcode.advantages import AdvantageConfig  # noqa: E402
 from rlcode.losses import ObjectiveConfig  # noqa: E402
-from rlcode.train.rollout import Grader, RolloutCollector, encode_tasks, reward_config, trim_batch  # noqa: E402
+from rlcode.recipes import ShapingConfig  # noqa: E402
+from rlcode.train.rollout import (Grader, RolloutCollector, SynthRewardConfig, encode_tasks, reward_config,  # noqa: E402
+                                  trim_batch)
 
 TOK = ByteTokenizer()
 
@@ -141,8 +143,9 @@ def _fake_sampler(plan):
 def _collector(tasks, plan, shaping=None, reward=None, G=2):
     enc = encode_tasks(tasks, TOK, 160, 48)
     sampling = SamplingConfig(max_new_tokens=48, stop_ids=(TOK.eos_id,), pad_id=TOK.pad_id)
-    shaping = shaping or {"dynamic_sampling": False, "overlong_cache_length": 0}
-    return RolloutCollector(None, enc, TOK, Grader(_FakePool(tasks)), sampling, reward or reward_config(), shaping, G,
+    shaping = ShapingConfig.from_config(shaping or {"dynamic_sampling": False, "overlong_cache_length": 0})
+    reward = SynthRewardConfig.from_config(reward or reward_config())
+    return RolloutCollector(None, enc, TOK, Grader(_FakePool(tasks)), sampling, reward, shaping, G,
                             sample_fn=_fake_sampler(plan))
 
 
