@@ -29,6 +29,7 @@ from ml_collections import config_flags
 from rlcode import advantages as adv_lib
 from rlcode import losses
 from rlcode.envs import sequence_bandit as bandit
+from rlcode.recipes import ShapingConfig
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/objectives_demo.py", "Experiment config.")
 
@@ -39,14 +40,12 @@ def _uses_values(cfg: ml_collections.ConfigDict) -> bool:
     return cfg.advantage.estimator == "gae" or cfg.loss.value_coef > 0
 
 
-def _make_update(cfg: ml_collections.ConfigDict, optimizer: optax.GradientTransformation):
-    loss_cfg = cfg.loss
-
+def _make_update(objective: losses.ObjectiveConfig, optimizer: optax.GradientTransformation):
     def terms_fn(params, mb):
         logits = params["logits"][mb["prompt"]]
         logp = losses.logprobs_from_logits(logits, mb["tokens"])
         return losses.objective_terms(
-            loss_cfg,
+            objective,
             logp,
             mb["old_logp"],
             mb["adv"],
@@ -94,7 +93,10 @@ def _draw_batch(cfg, targets, sampler_params, rollout, rng, key):
 
 def run(cfg: ml_collections.ConfigDict, verbose: bool = True) -> list[dict[str, Any]]:
     """Train and return the logged history (a list of metric dicts, one per logged step)."""
-    losses.validate_loss_config(cfg.loss)
+    # The sections the library reads, converted once into their frozen, validated dataclasses.
+    objective = losses.ObjectiveConfig.from_config(cfg.loss)
+    advantage = adv_lib.AdvantageConfig.from_config(cfg.advantage)
+    shaping = ShapingConfig.from_config(cfg.shaping)
     P, G = cfg.rollout.prompts_per_step, cfg.rollout.group_size
     B = P * G
     n_mini, n_micro = cfg.train.minibatches, cfg.train.microbatches
@@ -114,7 +116,7 @@ def run(cfg: ml_collections.ConfigDict, verbose: bool = True) -> list[dict[str, 
     ref_logits = params["logits"]
     optimizer = optax.adam(cfg.train.lr)
     opt_state = optimizer.init(params)
-    update = _make_update(cfg, optimizer)
+    update = _make_update(objective, optimizer)
     use_behavior = cfg.train.staleness > 0 or cfg.loss.is_mode != "none"
 
     @jax.jit
@@ -130,16 +132,16 @@ def run(cfg: ml_collections.ConfigDict, verbose: bool = True) -> list[dict[str, 
         old_logp = losses.logprobs_from_logits(p["logits"][prompts], tokens)
         ref_logp = losses.logprobs_from_logits(ref_logits[prompts], tokens)
         reward = batch["reward"]
-        if cfg.shaping.overlong_cache_length > 0:
-            reward = reward + adv_lib.overlong_penalty(mask.sum(-1), T, cfg.shaping.overlong_cache_length)
-        if cfg.loss.kl_coef > 0 and cfg.loss.kl_penalty == "reward":
-            reward = losses.kl_reward_penalty(reward, batch["beh_logp"], ref_logp, mask, cfg.loss.kl_coef)
+        if shaping.overlong_cache_length > 0:
+            reward = reward + adv_lib.overlong_penalty(mask.sum(-1), T, shaping.overlong_cache_length)
+        if objective.kl_coef > 0 and objective.kl_penalty == "reward":
+            reward = losses.kl_reward_penalty(reward, batch["beh_logp"], ref_logp, mask, objective.kl_coef)
         old_values = p["value"][prompts] if "value" in p else None
-        adv, returns = adv_lib.compute_advantages(cfg.advantage, reward, mask, G, values=old_values, valid=batch["valid"])
+        adv, returns = adv_lib.compute_advantages(advantage, reward, mask, G, values=old_values, valid=batch["valid"])
         out = {"prompt": prompts, "tokens": tokens, "mask": mask, "old_logp": old_logp, "adv": adv}
         if use_behavior:
             out["beh_logp"] = batch["beh_logp"]
-        if cfg.loss.kl_coef > 0 and cfg.loss.kl_penalty == "loss":
+        if objective.kl_coef > 0 and objective.kl_penalty == "loss":
             out["ref_logp"] = ref_logp
         if returns is not None:
             out["old_values"], out["returns"] = old_values, returns

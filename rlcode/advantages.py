@@ -10,12 +10,47 @@ Shapes: N rewards ordered group by group (N = num_groups * G), B sequences, T to
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
-from rlcode.checks import check_finite, one_of
+from rlcode.checks import check_finite, check_values, expect_type, one_of, real, section_fields, text
 
 NORMALIZE_MODES = ("std", "none", "rloo", "batch")
+ESTIMATORS = ("group", "gae")
+# The valid values of the `advantage` section's fields (`rlcode.train.schema` checks a job's
+# config with the same Specs).
+ADVANTAGE_SPECS = {"estimator": text(ESTIMATORS), "normalize": text(NORMALIZE_MODES),
+                   "eps": real(0, low_open=True), "gamma": real(0, 1), "lam": real(0, 1)}
+
+
+@dataclasses.dataclass(frozen=True)
+class AdvantageConfig:
+    """The `advantage` section, validated and frozen (hashable): what `compute_advantages` reads.
+
+    estimator: "group" (`group_advantages` over the G samples of a prompt) or "gae" (`gae`,
+    needs a value head). normalize, eps: the group normalisation and the epsilon added to the
+    std (`group_advantages`). gamma, lam: discount and GAE lambda, each in [0, 1].
+    """
+
+    estimator: str = "group"
+    normalize: str = "std"
+    eps: float = 1e-6
+    gamma: float = 1.0
+    lam: float = 0.95
+
+    def __post_init__(self):
+        check_values(self, ADVANTAGE_SPECS, "advantage")
+
+    @classmethod
+    def from_config(cls, config: Any) -> AdvantageConfig:
+        """An AdvantageConfig from an `advantage` section (ConfigDict or mapping) or an instance;
+        an unknown field is a ConfigError naming the closest known ones."""
+        if isinstance(config, cls):
+            return config
+        return cls(**section_fields(config, tuple(ADVANTAGE_SPECS), "advantage"))
 
 
 def _compute_dtype(x: jax.Array) -> jnp.dtype:
@@ -220,7 +255,7 @@ def reward_at_last_token(rewards: jax.Array, mask: jax.Array) -> jax.Array:
 
 
 def compute_advantages(
-    config,
+    config: AdvantageConfig,
     rewards: jax.Array,
     mask: jax.Array,
     group_size: int,
@@ -230,7 +265,7 @@ def compute_advantages(
     """Per-token advantages for a batch of B = num_groups * G sequences scored once each.
 
     Args:
-      config: an `advantage` config section (estimator, normalize, eps, gamma, lam).
+      config: the `AdvantageConfig` (estimator, normalize, eps, gamma, lam).
       rewards: [B] sequence rewards, group by group.
       mask: [B, T] generated tokens.
       group_size: G.
@@ -240,7 +275,7 @@ def compute_advantages(
     Returns:
       (advantages [B, T], returns [B, T] or None for the group estimator).
     """
-    one_of(config.estimator, ("group", "gae"), "advantage.estimator")
+    config = expect_type(config, AdvantageConfig, "config")
     if config.estimator == "group":
         adv = group_advantages(rewards, group_size, config.normalize, config.eps, valid=valid)
         return broadcast_to_tokens(adv, mask), None

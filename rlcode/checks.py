@@ -9,6 +9,12 @@ an unknown or missing field, a resume that would change the run); its message is
 names the field, so an entry point can print it as is. `check_fields` checks a config against a
 schema of `Spec`s (type, range, finiteness, allowed values) and refuses unknown fields, naming the
 closest known ones.
+
+Typed sections: a job converts each config section once, where it reads its config, into a
+frozen dataclass (`rlcode.losses.ObjectiveConfig`, `rlcode.advantages.AdvantageConfig`, ...)
+whose ``from_config`` takes a ConfigDict, a mapping or an instance; `section_fields` refuses
+unknown fields and `check_values` checks every value against the section's Specs, so library
+functions receive validated, hashable values and never read a ConfigDict themselves.
 """
 
 from __future__ import annotations
@@ -52,13 +58,6 @@ def one_of(value: str, allowed: tuple[str, ...], field: str) -> str:
     if value not in allowed:
         raise ValueError(f"{field}={value!r} is not one of {allowed}")
     return value
-
-
-def config_get(config: Any, name: str, default: Any) -> Any:
-    """Field `name` of a ConfigDict, dataclass or mapping, or `default` when it has none."""
-    if isinstance(config, Mapping):
-        return config.get(name, default)
-    return getattr(config, name, default)
 
 
 def apply_overrides(cfg: Any, overrides: Mapping[str, Any], section: str) -> None:
@@ -287,6 +286,48 @@ def check_fields(cfg: Any, schema: Schema, prefix: str = "", known: Sequence[str
             raise ConfigError(f"{path}={value!r}: must be a config section with fields {sorted(spec)}")
         else:
             check_fields(value, spec, path + ".", known)
+
+
+# ------------------------------------------------------------------------------ typed sections
+
+
+def section_fields(config: Any, known: Sequence[str], section: str) -> dict[str, Any]:
+    """The fields of one config section (a ConfigDict, FrozenConfigDict or mapping) as a dict,
+    for the `from_config` of the frozen dataclass that section becomes where it enters the
+    library. A field outside `known` is a ConfigError naming the closest known ones (a mistyped
+    ``loss.kl_cof`` is refused, not silently dropped); a list becomes a tuple (hashable, so the
+    dataclass can be a static argument of `jax.jit`). Missing fields are left out: the dataclass
+    supplies their defaults."""
+    if not hasattr(config, "keys"):
+        raise ConfigError(f"the {section} section must be a config section or a mapping, not "
+                          f"{type(config).__name__}")
+    paths = [f"{section}.{name}" for name in known]
+    out: dict[str, Any] = {}
+    for name in config.keys():
+        if name not in known:
+            raise unknown_field_error(f"{section}.{name}", paths)
+        value = config[name]
+        out[name] = tuple(value) if isinstance(value, list) else value
+    return out
+
+
+def check_values(obj: Any, specs: Mapping[str, Spec], section: str) -> None:
+    """ConfigError ``section.field=value: why`` for the first attribute of `obj` (a typed section)
+    whose value does not satisfy its Spec."""
+    for name, spec in specs.items():
+        value = getattr(obj, name)
+        why = spec.problem(value)
+        if why:
+            raise ConfigError(f"{section}.{name}={value!r}: {why}")
+
+
+def expect_type(value: Any, cls: type, what: str) -> Any:
+    """`value` if it is a `cls`, else a TypeError saying how to build one from a config section
+    (library functions take typed sections, not ConfigDicts or dicts)."""
+    if not isinstance(value, cls):
+        raise TypeError(f"{what} must be a {cls.__name__} (build it with {cls.__name__}.from_config(section)), "
+                        f"not {type(value).__name__}")
+    return value
 
 
 def flatten(config: Any, prefix: str = "") -> dict[str, Any]:

@@ -24,13 +24,15 @@ import jax.numpy as jnp
 import ml_collections
 from ml_collections import config_dict
 
-from rlcode.checks import apply_overrides, config_get, one_of
+from rlcode.checks import (ConfigError, apply_overrides, check_values, expect_type, integer, one_of, real,
+                           section_fields, text)
 
 POLICY_KINDS = ("ppo", "gspo", "gspo_token", "cispo", "reinforce")
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 IS_MODES = ("none", "tis", "mis")
 IS_LEVELS = ("token", "sequence", "geometric")
 KL_KINDS = ("k1", "k2", "k3")
+KL_PENALTIES = ("loss", "reward")
 LOG_RATIO_CLAMP = 20.0
 
 Metrics = dict[str, jax.Array]
@@ -41,9 +43,25 @@ Metrics = dict[str, jax.Array]
 # --------------------------------------------------------------------------------------------
 
 
+# The valid values of every field of the `loss` section; `rlcode.train.schema` checks a job's
+# config with the same Specs.
+POLICY_SPECS = {
+    "kind": text(POLICY_KINDS), "clip_low": real(0), "clip_high": real(0),
+    "dual_clip": real(1, low_open=True, none_ok=True), "agg": text(AGG_MODES),
+    "norm_length": integer(1, none_ok=True), "is_mode": text(IS_MODES), "is_level": text(IS_LEVELS),
+    "is_cap": real(0, low_open=True), "is_low": real(0), "is_high": real(0, low_open=True),
+}
+OBJECTIVE_SPECS = {
+    "kl_coef": real(0), "kl_kind": text(KL_KINDS), "kl_penalty": text(KL_PENALTIES), "entropy_coef": real(0),
+    "value_coef": real(0), "value_clip": real(0),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class PolicyLossConfig:
-    """The fields `policy_loss` reads. A `ConfigDict` with the same field names works as well.
+    """The policy-loss fields of the `loss` section, validated and frozen (hashable: it can be a
+    static argument of `jax.jit`). Build it from a section with `from_config`; constructing it
+    directly validates as well.
 
     kind: ppo | gspo | gspo_token | cispo | reinforce.
     clip_low, clip_high: the ratio is clipped to [1 - clip_low, 1 + clip_high].
@@ -66,75 +84,84 @@ class PolicyLossConfig:
     is_low: float = 0.5
     is_high: float = 2.0
 
+    def __post_init__(self):
+        check_values(self, POLICY_SPECS, "loss")
+        if self.agg == "seq-mean-token-sum-norm" and self.norm_length is None:
+            raise ConfigError(
+                "loss.agg='seq-mean-token-sum-norm' needs loss.norm_length > 0 (e.g. the maximum "
+                f"generation length), got {self.norm_length}"
+            )
+        if self.is_low > self.is_high:
+            raise ConfigError(f"loss.is_low={self.is_low} must be <= loss.is_high={self.is_high}")
+
+    @classmethod
+    def from_config(cls, config: Any) -> PolicyLossConfig:
+        """A PolicyLossConfig from a ConfigDict or mapping holding only policy-loss fields (the
+        whole `loss` section goes through `ObjectiveConfig.from_config`), or an instance."""
+        if isinstance(config, cls):
+            return config
+        return cls(**section_fields(config, tuple(POLICY_SPECS), "loss"))
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectiveConfig:
+    """The whole `loss` section, validated and frozen: the policy loss and the coefficients that
+    combine it with the other terms in `objective_terms` (hashable, like `PolicyLossConfig`).
+
+    policy: the `PolicyLossConfig`. kl_coef: beta of the KL to the reference policy; kl_kind:
+    k1 | k2 | k3; kl_penalty: "loss" (beta * agg(k) in the loss) or "reward" (R - beta * sum_t k1
+    in the reward, `kl_reward_penalty`). entropy_coef: the entropy bonus (subtracted).
+    value_coef, value_clip: the PPO value loss and its clip range.
+    """
+
+    policy: PolicyLossConfig = dataclasses.field(default_factory=PolicyLossConfig)
+    kl_coef: float = 0.0
+    kl_kind: str = "k3"
+    kl_penalty: str = "loss"
+    entropy_coef: float = 0.0
+    value_coef: float = 0.0
+    value_clip: float = 0.2
+
+    def __post_init__(self):
+        expect_type(self.policy, PolicyLossConfig, "ObjectiveConfig.policy")
+        check_values(self, OBJECTIVE_SPECS, "loss")
+
+    @classmethod
+    def from_config(cls, config: Any) -> ObjectiveConfig:
+        """An ObjectiveConfig from a `loss` section (ConfigDict or mapping with the flat field
+        names of `loss_config`), or an instance. An unknown field is a ConfigError naming the
+        closest known ones; a missing field takes its default."""
+        if isinstance(config, cls):
+            return config
+        values = section_fields(config, tuple(POLICY_SPECS) + tuple(OBJECTIVE_SPECS), "loss")
+        policy = {k: values.pop(k) for k in POLICY_SPECS if k in values}
+        return cls(policy=PolicyLossConfig(**policy), **values)
+
 
 def loss_config(**overrides: Any) -> ml_collections.ConfigDict:
-    """Default `loss` section of an experiment config (policy loss plus the other loss terms).
-
-    Besides the `PolicyLossConfig` fields it holds the coefficients that combine terms:
-    kl_coef, kl_kind (k1|k2|k3), kl_penalty ("loss": beta * agg(k) in the loss; "reward":
-    R - beta * sum_t k1 in the reward), entropy_coef (bonus, subtracted), value_coef and
-    value_clip (PPO value loss).
-    """
+    """Default `loss` section of an experiment config (policy loss plus the other loss terms):
+    the fields of `PolicyLossConfig` and the coefficients of `ObjectiveConfig`, with their
+    defaults, checked by `ObjectiveConfig.from_config`."""
     cfg = ml_collections.ConfigDict()
     for field in dataclasses.fields(PolicyLossConfig):
         setattr(cfg, field.name, field.default)
     cfg.dual_clip = config_dict.placeholder(float)
     cfg.norm_length = config_dict.placeholder(int)
-    cfg.kl_coef = 0.0
-    cfg.kl_kind = "k3"
-    cfg.kl_penalty = "loss"
-    cfg.entropy_coef = 0.0
-    cfg.value_coef = 0.0
-    cfg.value_clip = 0.2
+    for field in dataclasses.fields(ObjectiveConfig):
+        if field.name != "policy":
+            setattr(cfg, field.name, field.default)
     apply_overrides(cfg, overrides, "loss")
-    validate_loss_config(cfg)
+    ObjectiveConfig.from_config(cfg)
     return cfg
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def read_policy_config(config: Any) -> PolicyLossConfig:
-    """Read a ConfigDict / dict / dataclass into a validated, frozen `PolicyLossConfig`."""
-    defaults = PolicyLossConfig()
-    values = {f.name: config_get(config, f.name, getattr(defaults, f.name)) for f in dataclasses.fields(defaults)}
-    cfg = PolicyLossConfig(**values)
-    one_of(cfg.kind, POLICY_KINDS, "loss.kind")
-    one_of(cfg.agg, AGG_MODES, "loss.agg")
-    one_of(cfg.is_mode, IS_MODES, "loss.is_mode")
-    one_of(cfg.is_level, IS_LEVELS, "loss.is_level")
-    for name in ("clip_low", "clip_high", "is_cap", "is_low", "is_high"):
-        value = getattr(cfg, name)
-        if _is_number(value) and value < 0:
-            raise ValueError(f"loss.{name} must be >= 0, got {value}")
-    if cfg.dual_clip is not None and _is_number(cfg.dual_clip) and cfg.dual_clip <= 1:
-        raise ValueError(f"loss.dual_clip must be None or > 1, got {cfg.dual_clip}")
-    if cfg.agg == "seq-mean-token-sum-norm":
-        if cfg.norm_length is None or (_is_number(cfg.norm_length) and cfg.norm_length <= 0):
-            raise ValueError(
-                "loss.agg='seq-mean-token-sum-norm' needs loss.norm_length > 0 (e.g. the maximum "
-                f"generation length), got {cfg.norm_length}"
-            )
-    if _is_number(cfg.is_low) and _is_number(cfg.is_high) and cfg.is_low > cfg.is_high:
-        raise ValueError(f"loss.is_low={cfg.is_low} must be <= loss.is_high={cfg.is_high}")
-    return cfg
-
-
-def validate_loss_config(config: Any) -> None:
-    """Raise ValueError naming the field if a `loss` config section is invalid."""
-    read_policy_config(config)
-    one_of(config_get(config, "kl_kind", "k3"), KL_KINDS, "loss.kl_kind")
-    one_of(config_get(config, "kl_penalty", "loss"), ("loss", "reward"), "loss.kl_penalty")
-    for name in ("kl_coef", "entropy_coef", "value_coef", "value_clip"):
-        value = config_get(config, name, 0.0)
-        if _is_number(value) and value < 0:
-            raise ValueError(f"loss.{name} must be >= 0, got {value}")
 
 
 # --------------------------------------------------------------------------------------------
 # Aggregation (§5)
 # --------------------------------------------------------------------------------------------
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _float(x: jax.Array) -> jax.Array:
@@ -199,7 +226,7 @@ def masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
 
 
 def importance_weights(
-    old_logp: jax.Array, behavior_logp: jax.Array, mask: jax.Array, config: Any
+    old_logp: jax.Array, behavior_logp: jax.Array, mask: jax.Array, config: PolicyLossConfig
 ) -> tuple[jax.Array, Metrics]:
     """Per-token IS weights for the behaviour -> old-policy mismatch, with diagnostics.
 
@@ -211,9 +238,10 @@ def importance_weights(
 
     Diagnostics are over units (tokens, or sequences for the sequence levels): raw weight mean,
     max and quantiles, ESS = (sum w)^2 / sum w^2 of the applied weights and ESS / units, and the
-    fraction of units truncated (TIS) or masked (MIS).
+    fraction of units truncated (TIS) or masked (MIS). `config`: the `PolicyLossConfig` (its
+    is_* fields).
     """
-    cfg = read_policy_config(config)
+    cfg = expect_type(config, PolicyLossConfig, "config")
     _check_bt(mask, old_logp=old_logp, behavior_logp=behavior_logp)
     m = mask.astype(bool)
     log_w = jnp.where(m, _float(old_logp) - _float(behavior_logp), 0)
@@ -289,11 +317,11 @@ def policy_loss_terms(
     old_logp: jax.Array,
     advantages: jax.Array,
     mask: jax.Array,
-    config: Any,
+    config: PolicyLossConfig,
     behavior_logp: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, Metrics]:
     """(numerator, denominator, metrics) of the policy loss; see `policy_loss`."""
-    cfg = read_policy_config(config)
+    cfg = expect_type(config, PolicyLossConfig, "config")
     _check_bt(mask, logp=logp, old_logp=old_logp, behavior_logp=behavior_logp)
     if advantages.shape not in ((mask.shape[0],), mask.shape):
         raise ValueError(f"advantages must be [B] or [B,T] for mask {mask.shape}, got {advantages.shape}")
@@ -370,7 +398,7 @@ def policy_loss(
     old_logp: jax.Array,
     advantages: jax.Array,
     mask: jax.Array,
-    config: Any,
+    config: PolicyLossConfig,
     behavior_logp: jax.Array | None = None,
 ) -> tuple[jax.Array, Metrics]:
     """Policy-gradient loss of docs/reference.md §2 with the IS corrections of §3.
@@ -380,8 +408,8 @@ def policy_loss(
       old_logp: [B, T] log pi_old, the policy the update starts from (constant).
       advantages: [B] (broadcast to every masked token) or [B, T].
       mask: [B, T], 1 on generated tokens.
-      config: ConfigDict / dict / `PolicyLossConfig` with the fields of `PolicyLossConfig`.
-        kind="ppo": -min(r*A, clip(r)*A) [+ dual clip]; "gspo": the same with the sequence
+      config: a `PolicyLossConfig` (`PolicyLossConfig.from_config`, or the `policy` of an
+        `ObjectiveConfig`). kind="ppo": -min(r*A, clip(r)*A) [+ dual clip]; "gspo": the same with the sequence
         ratio s_i = exp(mean_t(logp - old)) for every token of sequence i (token-level
         advantages are allowed and multiply s_i); "gspo_token": value s_i, gradient per token;
         "cispo": -sg(clip(r)) * A * logp; "reinforce": -A * logp.
@@ -561,7 +589,7 @@ def accumulate_gradients(
 
 
 def objective_terms(
-    config: Any,
+    config: ObjectiveConfig,
     logp: jax.Array,
     old_logp: jax.Array,
     advantages: jax.Array,
@@ -576,26 +604,27 @@ def objective_terms(
 ) -> tuple[jax.Array, jax.Array, Metrics]:
     """(num, den, metrics) of policy loss + kl_coef * KL - entropy_coef * H + value_coef * V.
 
-    All terms share `config.agg` and the mask, hence the denominator. The KL term is included
-    when kl_coef > 0 and kl_penalty == "loss" (for "reward", apply `kl_reward_penalty` to the
-    rewards before the advantages). Inputs a nonzero coefficient needs are required; a KL or
-    entropy input given with a zero coefficient is still reported as a metric.
+    `config` is the `ObjectiveConfig` of the `loss` section. All terms share `config.policy.agg`
+    and the mask, hence the denominator. The KL term is included when kl_coef > 0 and
+    kl_penalty == "loss" (for "reward", apply `kl_reward_penalty` to the rewards before the
+    advantages). Inputs a nonzero coefficient needs are required; a KL or entropy input given
+    with a zero coefficient is still reported as a metric.
     """
-    validate_loss_config(config)
-    pol = read_policy_config(config)
+    config = expect_type(config, ObjectiveConfig, "config")
+    pol = config.policy
     num, den, metrics = policy_loss_terms(logp, old_logp, advantages, mask, pol, behavior_logp)
 
-    kl_coef = config_get(config, "kl_coef", 0.0)
-    kl_in_loss = kl_coef > 0 and config_get(config, "kl_penalty", "loss") == "loss"
+    kl_coef = config.kl_coef
+    kl_in_loss = kl_coef > 0 and config.kl_penalty == "loss"
     if kl_in_loss and ref_logp is None:
         raise ValueError("loss.kl_coef > 0 needs ref_logp (the reference policy's log-probs)")
     if ref_logp is not None:
-        kl_num, _ = aggregate(kl_divergence(logp, ref_logp, config_get(config, "kl_kind", "k3")), mask, pol.agg, pol.norm_length)
+        kl_num, _ = aggregate(kl_divergence(logp, ref_logp, config.kl_kind), mask, pol.agg, pol.norm_length)
         metrics["kl_ref"] = jax.lax.stop_gradient(divide(kl_num, den))
         if kl_in_loss:
             num = num + kl_coef * kl_num
 
-    entropy_coef = config_get(config, "entropy_coef", 0.0)
+    entropy_coef = config.entropy_coef
     if entropy_coef > 0 and entropy is None:
         raise ValueError("loss.entropy_coef > 0 needs the per-token entropy")
     if entropy is not None:
@@ -604,12 +633,12 @@ def objective_terms(
         if entropy_coef > 0:
             num = num - entropy_coef * ent_num
 
-    value_coef = config_get(config, "value_coef", 0.0)
+    value_coef = config.value_coef
     if value_coef > 0:
         if values is None or old_values is None or returns is None:
             raise ValueError("loss.value_coef > 0 needs values, old_values and returns")
         v_num, _, v_metrics = value_loss_terms(
-            values, old_values, returns, mask, config_get(config, "value_clip", None), pol.agg, pol.norm_length
+            values, old_values, returns, mask, config.value_clip, pol.agg, pol.norm_length
         )
         metrics.update(v_metrics)
         num = num + value_coef * v_num

@@ -11,18 +11,24 @@ configs embed as they are and override field by field:
   rewards are all equal and refill) and overlong_cache_length (DAPO's soft overlong punishment;
   0 = off).
 
-Values are the papers' unless marked as a project default.
+Values are the papers' unless marked as a project default. Where a job reads its config, each
+section becomes a frozen, validated dataclass: `rlcode.advantages.AdvantageConfig`,
+`rlcode.losses.ObjectiveConfig` and `ShapingConfig`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import ml_collections
 
-from rlcode.checks import one_of
+from rlcode.advantages import AdvantageConfig
+from rlcode.checks import apply_overrides, check_values, flag, integer, one_of, section_fields
 from rlcode.losses import loss_config
 
 RECIPES = ("grpo", "dr_grpo", "dapo", "gspo", "cispo", "ppo")
-ADVANTAGE_ESTIMATORS = ("group", "gae")
+SHAPING_SPECS = {"dynamic_sampling": flag(), "overlong_cache_length": integer(0)}
 
 CITATIONS = {
     "grpo": "DeepSeekMath, arXiv 2402.03300",
@@ -34,13 +40,45 @@ CITATIONS = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class ShapingConfig:
+    """The `shaping` section, validated and frozen (hashable).
+
+    dynamic_sampling: keep only groups whose valid rewards are not all equal, drawing new
+    prompts to refill the batch (DAPO; `rlcode.train.rollout.RolloutCollector.collect`).
+    overlong_cache_length: the band of DAPO's soft overlong punishment in tokens
+    (`rlcode.advantages.overlong_penalty`); 0 = off.
+    """
+
+    dynamic_sampling: bool = False
+    overlong_cache_length: int = 0
+
+    def __post_init__(self):
+        check_values(self, SHAPING_SPECS, "shaping")
+
+    @classmethod
+    def from_config(cls, config: Any) -> ShapingConfig:
+        """A ShapingConfig from a `shaping` section (ConfigDict or mapping) or an instance; an
+        unknown field is a ConfigError naming the closest known ones."""
+        if isinstance(config, cls):
+            return config
+        return cls(**section_fields(config, tuple(SHAPING_SPECS), "shaping"))
+
+
 def advantage_config(**overrides) -> ml_collections.ConfigDict:
-    """Default `advantage` section: GRPO group normalisation."""
-    cfg = ml_collections.ConfigDict(
-        {"estimator": "group", "normalize": "std", "eps": 1e-6, "gamma": 1.0, "lam": 0.95}
-    )
-    cfg.update(overrides)
-    one_of(cfg.estimator, ADVANTAGE_ESTIMATORS, "advantage.estimator")
+    """Default `advantage` section: GRPO group normalisation (the `AdvantageConfig` defaults);
+    an unknown or invalid field is an error naming it."""
+    cfg = ml_collections.ConfigDict({f.name: f.default for f in dataclasses.fields(AdvantageConfig)})
+    apply_overrides(cfg, overrides, "advantage")
+    AdvantageConfig.from_config(cfg)
+    return cfg
+
+
+def shaping_config(**overrides) -> ml_collections.ConfigDict:
+    """Default `shaping` section (the `ShapingConfig` defaults: both off)."""
+    cfg = ml_collections.ConfigDict({f.name: f.default for f in dataclasses.fields(ShapingConfig)})
+    apply_overrides(cfg, overrides, "shaping")
+    ShapingConfig.from_config(cfg)
     return cfg
 
 
@@ -56,7 +94,7 @@ def recipe(name: str, max_new_tokens: int) -> ml_collections.ConfigDict:
     if max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be > 0, got {max_new_tokens}")
     adv = advantage_config()
-    shaping = ml_collections.ConfigDict({"dynamic_sampling": False, "overlong_cache_length": 0})
+    shaping = shaping_config()
     if name == "grpo":
         # Original GRPO: per-sequence token mean, KL to the reference in the loss (k3, beta 0.04).
         loss = loss_config(kind="ppo", clip_low=0.2, clip_high=0.2, agg="seq-mean-token-mean",

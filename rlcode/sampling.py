@@ -28,15 +28,27 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from rlcode.checks import check_values, integer, real, section_fields, sequence
 from rlcode.models.attention import AttentionMask, KVCache
 from rlcode.models.layers import apply_rope
 from rlcode.models.logprobs import process_logits
 
 
+# The valid values of the sampler's options (the `sampling` section of a job's config holds some of them).
+SAMPLING_SPECS = {
+    "max_new_tokens": integer(1), "temperature": real(0, low_open=True), "top_k": integer(0, none_ok=True),
+    "top_p": real(0, 1, low_open=True, none_ok=True), "stop_ids": sequence(integer()), "pad_id": integer(),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
-    """temperature > 0; top_k None/0 = off; top_p None/1.0 = off; stop_ids end a row (the stop
-    token is part of the completion and of its mask); pad_id fills tokens after the end."""
+    """The sampler's options, validated and frozen (a static argument of the jitted sampler).
+
+    temperature > 0 (no greedy special case: use top_k=1); top_k None/0 = off; top_p None/1.0 =
+    off; stop_ids end a row (the stop token is part of the completion and of its mask); pad_id
+    fills tokens after the end. A job's `sampling` section becomes one through `from_config`.
+    """
 
     max_new_tokens: int = 64
     temperature: float = 1.0
@@ -46,14 +58,18 @@ class SamplingConfig:
     pad_id: int = 0
 
     def __post_init__(self):
-        if self.max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0 (use top_k=1 for greedy), got {self.temperature}")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k is not None and self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if isinstance(self.stop_ids, list):
+            object.__setattr__(self, "stop_ids", tuple(self.stop_ids))
+        check_values(self, SAMPLING_SPECS, "sampling")
+
+    @classmethod
+    def from_config(cls, config: Any) -> SamplingConfig:
+        """A SamplingConfig from a `sampling` section (ConfigDict or mapping with some of these
+        fields; the others take their defaults) or an instance. An unknown field is a
+        ConfigError naming the closest known ones."""
+        if isinstance(config, cls):
+            return config
+        return cls(**section_fields(config, tuple(SAMPLING_SPECS), "sampling"))
 
 
 class SampleOutput(NamedTuple):

@@ -47,7 +47,7 @@ from typing import Any
 
 import ml_collections
 
-from rlcode.checks import apply_overrides, config_get
+from rlcode.checks import apply_overrides, check_values, expect_type, integer, real, section_fields, sequence, text
 from rlcode.envs import grading
 
 TEST_REWARDS = ("pass_fraction", "all_pass")
@@ -57,9 +57,19 @@ DEFAULT_HACK_FLAGS = ("early_exit", "fake_output", "forged_report", "protected_f
 TERMS = ("tests", "length", "malformed", "turns", "hack")
 
 
+# The valid values of the `reward` section's fields (the agent job's schema uses the same Specs).
+REWARD_SPECS = {
+    "test_reward": text(TEST_REWARDS), "length_weight": real(0), "length_midpoint": real(0, low_open=True),
+    "length_growth": real(1), "length_softness": real(0, low_open=True), "malformed_weight": real(0),
+    "malformed_cap": integer(0), "turn_weight": real(0), "hack_flags": sequence(text(grading.FLAGS)),
+    "hack_mode": text(HACK_MODES), "hack_penalty": real(0),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class RewardConfig:
-    """The fields `compute_reward` reads (a `ConfigDict` or dict with these names works too).
+    """The agent job's `reward` section, validated and frozen (hashable): what `compute_reward`
+    reads. Build it from a section with `from_config`; constructing it directly validates too.
 
     test_reward: "pass_fraction" | "all_pass".
     length_weight, length_midpoint, length_growth, length_softness: the length penalty (module
@@ -82,45 +92,31 @@ class RewardConfig:
     hack_mode: str = "zero_tests"
     hack_penalty: float = 0.0
 
+    def __post_init__(self):
+        if isinstance(self.hack_flags, list):
+            object.__setattr__(self, "hack_flags", tuple(self.hack_flags))
+        check_values(self, REWARD_SPECS, "reward")
+
+    @classmethod
+    def from_config(cls, config: Any) -> RewardConfig:
+        """A RewardConfig from a `reward` section (ConfigDict or mapping) or an instance; an
+        unknown field is a ConfigError naming the closest known ones, a missing one takes its
+        default."""
+        if isinstance(config, cls):
+            return config
+        return cls(**section_fields(config, tuple(REWARD_SPECS), "reward"))
+
 
 def reward_config(**overrides: Any) -> ml_collections.ConfigDict:
     """Default ``reward`` section of an experiment config (the `RewardConfig` fields)."""
     cfg = ml_collections.ConfigDict({f.name: f.default for f in dataclasses.fields(RewardConfig)})
     apply_overrides(cfg, overrides, "reward")
-    read_reward_config(cfg)
+    RewardConfig.from_config(cfg)
     return cfg
 
 
-def read_reward_config(config: Any = None) -> RewardConfig:
-    """A validated `RewardConfig` from a RewardConfig, ConfigDict, dict or None (defaults);
-    ValueError naming the field otherwise."""
-    if isinstance(config, RewardConfig):
-        values = dataclasses.asdict(config)
-    else:
-        defaults = RewardConfig()
-        values = {f.name: config_get(config, f.name, getattr(defaults, f.name))
-                  for f in dataclasses.fields(RewardConfig)} if config is not None else dataclasses.asdict(defaults)
-    if isinstance(values["hack_flags"], str):
-        raise ValueError(f"reward.hack_flags must be a sequence of flag names, got {values['hack_flags']!r}")
-    values["hack_flags"] = tuple(values["hack_flags"])
-    cfg = RewardConfig(**values)
-    if cfg.test_reward not in TEST_REWARDS:
-        raise ValueError(f"reward.test_reward={cfg.test_reward!r} is not one of {TEST_REWARDS}")
-    if cfg.hack_mode not in HACK_MODES:
-        raise ValueError(f"reward.hack_mode={cfg.hack_mode!r} is not one of {HACK_MODES}")
-    unknown = sorted(set(cfg.hack_flags) - set(grading.FLAGS))
-    if unknown:
-        raise ValueError(f"reward.hack_flags has unknown flags {unknown}; known: {grading.FLAGS}")
-    for name in ("length_weight", "malformed_weight", "turn_weight", "hack_penalty", "malformed_cap"):
-        if not getattr(cfg, name) >= 0:
-            raise ValueError(f"reward.{name} must be >= 0, got {getattr(cfg, name)!r}")
-    for name in ("length_midpoint", "length_softness"):
-        if not getattr(cfg, name) > 0:
-            raise ValueError(f"reward.{name} must be > 0, got {getattr(cfg, name)!r}")
-    if not cfg.length_growth >= 1:
-        raise ValueError(f"reward.length_growth must be >= 1 (the midpoint grows with difficulty), "
-                         f"got {cfg.length_growth!r}")
-    return cfg
+def _reward_config(config: RewardConfig | None) -> RewardConfig:
+    return RewardConfig() if config is None else expect_type(config, RewardConfig, "config")
 
 
 def _sigmoid(x: float) -> float:
@@ -130,15 +126,16 @@ def _sigmoid(x: float) -> float:
     return z / (1.0 + z)
 
 
-def length_midpoint(difficulty: int, config: Any = None) -> float:
-    """L0(d) = length_midpoint * length_growth ** (d - 1)."""
-    cfg = read_reward_config(config)
+def length_midpoint(difficulty: int, config: RewardConfig | None = None) -> float:
+    """L0(d) = length_midpoint * length_growth ** (d - 1); config None: the defaults."""
+    cfg = _reward_config(config)
     return cfg.length_midpoint * cfg.length_growth ** (difficulty - 1)
 
 
-def length_penalty(num_tokens: int, difficulty: int, config: Any = None) -> float:
-    """-length_weight * sigmoid((num_tokens - L0(d)) / (length_softness * L0(d)))."""
-    cfg = read_reward_config(config)
+def length_penalty(num_tokens: int, difficulty: int, config: RewardConfig | None = None) -> float:
+    """-length_weight * sigmoid((num_tokens - L0(d)) / (length_softness * L0(d))); config None:
+    the defaults."""
+    cfg = _reward_config(config)
     if difficulty < 1:
         raise ValueError(f"difficulty must be >= 1, got {difficulty}")
     mid = length_midpoint(difficulty, cfg)
@@ -151,14 +148,15 @@ def generated_tokens(trajectory: Any) -> int:
 
 
 def compute_reward(grade: grading.GradeResult, trajectory: Any, task: Any,
-                   config: Any = None) -> tuple[float, dict[str, float], tuple[str, ...], bool]:
+                   config: RewardConfig | None = None) -> tuple[float, dict[str, float], tuple[str, ...], bool]:
     """(reward, terms, flags, valid) of one episode; see the module docstring for every term.
 
     grade: `grading.grade`'s verdict on the episode's final copy. trajectory: the episode's
     `rlcode.envs.harness.Trajectory` (turns, num_malformed_calls, num_turns, infra_failure).
-    task: the `RepoTask` (its difficulty). config: `RewardConfig`, ConfigDict, dict or None.
+    task: the `RepoTask` (its difficulty). config: the `RewardConfig` (`RewardConfig.from_config`
+    of the `reward` section), or None for the defaults.
     """
-    cfg = read_reward_config(config)
+    cfg = _reward_config(config)
     flags = tuple(sorted(grade.flags))
     if grade.status == "infra" or getattr(trajectory, "infra_failure", False):
         return 0.0, {name: 0.0 for name in TERMS}, tuple(sorted(set(flags) | {"infra"})), False

@@ -100,7 +100,7 @@ AGENT_SECTIONS = {
     "rollout": {"prompts_per_step": integer(1), "group_size": integer(1), "async_mode": flag(required=False),
                 "max_staleness": integer(0, required=False)},
     "sandbox": {"workers": integer(1, MAX_SANDBOX_WORKERS), "timeout": real(0, low_open=True)},
-    # Ranges: `rewards.read_reward_config`, run by `validate_config`.
+    # Ranges: `rewards.RewardConfig.from_config`, run by `validate_config`.
     "reward": schema_from_defaults(rewards.reward_config(), {"test_reward": text(rewards.TEST_REWARDS),
                                                              "hack_flags": sequence(text(grading.FLAGS)),
                                                              "hack_mode": text(rewards.HACK_MODES)}),
@@ -154,7 +154,7 @@ def validate_config(cfg: Any, num_devices: int | None = None,
         raise ConfigError(f"train.microbatches={cfg.train.microbatches}: must divide {ROW_MULTIPLE} (the training "
                           f"batch is padded to a multiple of {ROW_MULTIPLE} rows)")
     with config_errors("reward"):
-        rewards.read_reward_config(cfg.reward)
+        rewards.RewardConfig.from_config(cfg.reward)
     if num_devices is not None:
         sizes = mesh_sizes(cfg.mesh, num_devices)
         shards = sizes["data"] * sizes["fsdp"]

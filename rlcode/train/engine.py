@@ -50,7 +50,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from rlcode.losses import ObjectiveConfig
 from rlcode.models.transformer import init_model
+from rlcode.sampling import SamplingConfig
 from rlcode.sharding import make_mesh, rules_from_config
 from rlcode.tokenizer import ByteTokenizer
 from rlcode.train import memory
@@ -410,11 +412,6 @@ def _warm_start(ctx: Context, demos: Any) -> tuple[Any, dict]:
     return params, info
 
 
-def _sampling_options(cfg: Any) -> dict[str, Any]:
-    s = cfg.sampling
-    return dict(temperature=s.temperature, top_k=s.get("top_k", 0) or None, top_p=s.get("top_p", None))
-
-
 def train(cfg: Any, job: Job, *, pool: Any = None, log: Callable[[str], None] | None = None,
           hooks: dict[str, Callable] | None = None) -> RunResult:
     """Run `job` with `cfg` (see the module docstring).
@@ -428,6 +425,8 @@ def train(cfg: Any, job: Job, *, pool: Any = None, log: Callable[[str], None] | 
     devices = jax.devices()
     job.validate(cfg, len(devices), memory.limits(devices))
     sched = Schedule.from_config(cfg)
+    # The sections the engine hands to the library, converted once into their typed configs.
+    objective, sampling = ObjectiveConfig.from_config(cfg.loss), SamplingConfig.from_config(cfg.sampling)
     progress: Progress | None = None
     say = log or (lambda m: progress.write(m) if progress is not None else print(m, file=sys.stderr, flush=True))
     workdir, ckpt_dir = prepare_workdir(cfg, say)
@@ -453,7 +452,7 @@ def train(cfg: Any, job: Job, *, pool: Any = None, log: Callable[[str], None] | 
         ctx.mesh, ctx.rules = make_mesh(cfg.mesh), rules_from_config(cfg.mesh)
         optimizer = make_optimizer(cfg.optim)
         ctx.graphdef, state = init_train_state(model, optimizer, cfg.seed, ctx.mesh, ctx.rules)
-        ref_params = jax.tree.map(jnp.copy, state.params) if cfg.loss.kl_coef > 0 else None
+        ref_params = jax.tree.map(jnp.copy, state.params) if objective.kl_coef > 0 else None
         start, first_eval = 0, None
         if cfg.resume:
             restored = ckpt.restore_or_none(target=state)
@@ -463,9 +462,10 @@ def train(cfg: Any, job: Job, *, pool: Any = None, log: Callable[[str], None] | 
                 state, extra = restored
                 start, first_eval = int(extra["iteration"]), _first_eval_of(ckpt, extra)
                 say(f"resumed from {ckpt_dir} at step {start}")
-        train_step = make_train_step(ctx.graphdef, cfg.loss, optimizer, microbatches=sched.microbatches,
-                                     mesh=ctx.mesh, rules=ctx.rules, shardings=state_shardings(state),
-                                     log_entropy=True, **_sampling_options(cfg))
+        train_step = make_train_step(ctx.graphdef, objective, optimizer, microbatches=sched.microbatches,
+                                     temperature=sampling.temperature, top_k=sampling.top_k or None,
+                                     top_p=sampling.top_p, mesh=ctx.mesh, rules=ctx.rules,
+                                     shardings=state_shardings(state), log_entropy=True)
         plan = job.plan(ctx, data)
         G = cfg.rollout.group_size
         split = plan.minibatches or (lambda batch, num, rng: split_groups(batch, num, G, rng))

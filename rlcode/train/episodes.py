@@ -107,7 +107,7 @@ def episode_kwargs(cfg: Any) -> dict[str, Any]:
 def grade_episode(task: repo_tasks.RepoTask, traj: harness.Trajectory, pool: Any, cfg: Any) -> Episode:
     """Grade the episode's final copy and score it; a flagged hack scores no test reward."""
     grade = grading.grade(task, traj.workdir, pool, timeout=cfg.sandbox.timeout)
-    reward, terms, flags, valid = rewards.compute_reward(grade, traj, task, cfg.reward)
+    reward, terms, flags, valid = rewards.compute_reward(grade, traj, task, rewards.RewardConfig.from_config(cfg.reward))
     hacked = bool(set(flags) & set(cfg.reward.hack_flags))
     success = valid and grade.status == "ok" and grade.all_passed and not hacked
     return Episode(task, traj, reward, terms, flags, valid, hacked, success)

@@ -32,6 +32,7 @@ built; a failure is a `rlcode.checks.ConfigError` naming the field.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -44,13 +45,14 @@ from rlcode import advantages as adv_lib
 from rlcode import losses
 from rlcode.checks import ConfigError, flag, integer, real, schema_from_defaults, sequence, text
 from rlcode.envs.tasks import synth
+from rlcode.recipes import ShapingConfig
 from rlcode.sampling import SampleOutput, SamplingConfig, to_training_batch
 from rlcode.tokenizer import ByteTokenizer
 from rlcode.train import memory
 from rlcode.train.engine import Context, Job, Plan, RunResult, train
 from rlcode.train.metrics import eval_summary
-from rlcode.train.rollout import (TEST_REWARDS, EncodedTasks, Grader, Rollout, RolloutCollector, encode_tasks,
-                                  reward_config, trim_batch)
+from rlcode.train.rollout import (TEST_REWARDS, EncodedTasks, Grader, Rollout, RolloutCollector, RolloutConfig,
+                                  SynthRewardConfig, encode_tasks, reward_config, trim_batch)
 from rlcode.train.schema import MAX_SANDBOX_WORKERS, SEED, check_common, check_schema, mesh_sizes
 from rlcode.train.step import make_logprob_fn
 
@@ -153,17 +155,16 @@ def build_tasks(cfg: Any, tokenizer: ByteTokenizer) -> tuple[EncodedTasks, Encod
 # ------------------------------------------------------------------------------ batches
 
 
-def make_prepare_fn(cfg: Any, graphdef: Any, group_size: int, pad_id: int, trim_multiple: int = 32) -> Callable:
+def make_prepare_fn(objective: losses.ObjectiveConfig, adv_cfg: adv_lib.AdvantageConfig, sampling: SamplingConfig,
+                    graphdef: Any, group_size: int, pad_id: int, trim_multiple: int = 32) -> Callable:
     """fn(params, ref_params, rollout) -> train batch: the training layout (time axis trimmed,
     see `trim_batch`), old log-probs and values under `params`, reference log-probs, rewards with
     the KL penalty when it is a reward term, advantages (and returns for GAE)."""
-    sampling = cfg.sampling
     opts = dict(temperature=sampling.temperature, top_k=sampling.top_k or None, top_p=sampling.top_p)
     logprob = make_logprob_fn(graphdef, **opts)
-    use_ref = cfg.loss.kl_coef > 0
-    kl_in_reward = use_ref and cfg.loss.kl_penalty == "reward"
-    adv_cfg = cfg.advantage
-    needs_values = cfg.advantage.estimator == "gae" or cfg.loss.value_coef > 0
+    use_ref = objective.kl_coef > 0
+    kl_in_reward = use_ref and objective.kl_penalty == "reward"
+    needs_values = adv_cfg.estimator == "gae" or objective.value_coef > 0
 
     @jax.jit
     def scores(params, ref_params, batch, rewards, valid):
@@ -175,7 +176,7 @@ def make_prepare_fn(cfg: Any, graphdef: Any, group_size: int, pad_id: int, trim_
             ref_logp = jnp.where(mask, ref_logp, 0.0)
             batch["ref_logp"] = ref_logp
             if kl_in_reward:
-                rewards = losses.kl_reward_penalty(rewards, old_logp, ref_logp, mask, cfg.loss.kl_coef)
+                rewards = losses.kl_reward_penalty(rewards, old_logp, ref_logp, mask, objective.kl_coef)
         advantages, returns = adv_lib.compute_advantages(adv_cfg, rewards, mask, group_size,
                                                          values=values if needs_values else None, valid=valid)
         batch = dict(batch, advantages=advantages, old_logp=old_logp)
@@ -286,13 +287,16 @@ def plan(ctx: Context, tasks: tuple) -> Plan:
     `make_prepare_fn`; evaluate = `evaluate` on the eval pools with common random numbers."""
     cfg, tok = ctx.cfg, ctx.tokenizer
     train_tasks, eval_tasks, fresh_tasks = tasks
-    s = cfg.sampling
-    sampling = SamplingConfig(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k or None,
-                              top_p=s.top_p, stop_ids=(tok.eos_id,), pad_id=tok.pad_id)
-    grader = Grader(ctx.pool, timeout=cfg.reward.timeout)
-    G, P = cfg.rollout.group_size, cfg.rollout.prompts_per_step
-    collector = RolloutCollector(ctx.graphdef, train_tasks, tok, grader, sampling, cfg.reward, cfg.shaping, G)
-    eval_collectors = {name: RolloutCollector(ctx.graphdef, tasks, tok, grader, sampling, cfg.reward, cfg.shaping,
+    # The sections the library reads, converted once into their typed configs.
+    objective = losses.ObjectiveConfig.from_config(cfg.loss)
+    advantage = adv_lib.AdvantageConfig.from_config(cfg.advantage)
+    reward, shaping = SynthRewardConfig.from_config(cfg.reward), ShapingConfig.from_config(cfg.shaping)
+    rollout, options = RolloutConfig.from_config(cfg.rollout), SamplingConfig.from_config(cfg.sampling)
+    sampling = dataclasses.replace(options, top_k=options.top_k or None, stop_ids=(tok.eos_id,), pad_id=tok.pad_id)
+    grader = Grader(ctx.pool, timeout=reward.timeout)
+    G, P = rollout.group_size, rollout.prompts_per_step
+    collector = RolloutCollector(ctx.graphdef, train_tasks, tok, grader, sampling, reward, shaping, G)
+    eval_collectors = {name: RolloutCollector(ctx.graphdef, tasks, tok, grader, sampling, reward, shaping,
                                               cfg.eval.num_samples)
                        for name, tasks in (("eval", eval_tasks), ("eval_fresh", fresh_tasks)) if tasks is not None}
     base_key = jax.random.key(cfg.seed)
@@ -302,7 +306,7 @@ def plan(ctx: Context, tasks: tuple) -> Plan:
         # Deterministic per (seed, count): a resumed run draws the same prompts again.
         rng = np.random.default_rng([cfg.seed, count])
         return collector.collect(params, rng, jax.random.fold_in(sample_key, count), version, P,
-                                 dynamic_sampling=cfg.shaping.dynamic_sampling, max_draws=cfg.rollout.max_draws)
+                                 dynamic_sampling=shaping.dynamic_sampling, max_draws=rollout.max_draws)
 
     def run_eval(params, step):
         out = {}
@@ -337,7 +341,8 @@ def plan(ctx: Context, tasks: tuple) -> Plan:
         return {"rollout/samples": "\n\n".join(f"reward={r.rewards[i]:.2f}\n\n```\n{r.texts[i]}\n```"
                                                 for i in range(min(cfg.log.num_texts, len(r.texts))))}
 
-    return Plan(collect=collect, prepare=make_prepare_fn(cfg, ctx.graphdef, G, tok.pad_id), evaluate=run_eval,
+    return Plan(collect=collect, prepare=make_prepare_fn(objective, advantage, options, ctx.graphdef, G, tok.pad_id),
+                evaluate=run_eval,
                 metrics=metrics, progress=progress, texts=texts)
 
 

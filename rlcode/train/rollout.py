@@ -6,7 +6,7 @@ on the task's held-out tests in the sandbox pool (one isolated execution per sam
 row gets a reward made of logged terms. Rows keep the group-by-group layout that
 `rlcode.advantages.group_advantages` expects (row b belongs to prompt b // G).
 
-Rewards (`reward_config`):
+Rewards (`reward_config`; read as a `SynthRewardConfig`):
   * ``tests``: 1 if every held-out test passes (``tests="all_pass"``) or the fraction passed
     (``"pass_fraction"``);
   * ``overlong``: DAPO's soft overlong punishment when ``shaping.overlong_cache_length > 0``
@@ -22,6 +22,10 @@ statistics and from the loss; it is never scored as a failure of the policy.
 equal, drawing new prompts until P groups are kept or ``max_draws`` draws were made; a batch that
 is still short is completed with the most recent dropped groups (their advantages are 0, so they
 add no gradient) and the count is reported as ``dynamic/filled``.
+
+The job converts its `reward`, `rollout` and `sandbox` sections once into the frozen dataclasses
+`SynthRewardConfig`, `RolloutConfig` and `SandboxConfig` (and `shaping` into
+`rlcode.recipes.ShapingConfig`); the collector takes those, never a ConfigDict.
 """
 
 from __future__ import annotations
@@ -37,20 +41,99 @@ import ml_collections
 import numpy as np
 
 from rlcode import advantages as adv_lib
-from rlcode.checks import apply_overrides, config_get, one_of
+from rlcode.checks import apply_overrides, check_values, expect_type, integer, real, section_fields, text
+from rlcode.checks import flag as boolean
 from rlcode.envs import verdict
 from rlcode.envs.tasks import synth
+from rlcode.recipes import ShapingConfig
 from rlcode.sampling import SamplingConfig, sample
 from rlcode.tokenizer import Tokenizer
+from rlcode.train.schema import MAX_SANDBOX_WORKERS
 
 TEST_REWARDS = ("all_pass", "pass_fraction")
 REWARD_TERMS = ("tests", "overlong", "truncated")
 
+SYNTH_REWARD_SPECS = {"tests": text(TEST_REWARDS), "truncation_penalty": real(0), "timeout": real(0, low_open=True)}
+ROLLOUT_SPECS = {"prompts_per_step": integer(1), "group_size": integer(1), "async_mode": boolean(),
+                 "max_staleness": integer(0), "max_draws": integer(1)}
+SANDBOX_SPECS = {"workers": integer(1, MAX_SANDBOX_WORKERS), "timeout": real(0, low_open=True, none_ok=True)}
+
+
+@dataclasses.dataclass(frozen=True)
+class SynthRewardConfig:
+    """The synthesis job's `reward` section, validated and frozen (see the module docstring).
+
+    tests: "all_pass" | "pass_fraction". truncation_penalty: subtracted from a row that hit
+    max_new_tokens without its stop token. timeout: seconds one graded execution may run.
+    """
+
+    tests: str = "all_pass"
+    truncation_penalty: float = 0.0
+    timeout: float = 5.0
+
+    def __post_init__(self):
+        check_values(self, SYNTH_REWARD_SPECS, "reward")
+
+    @classmethod
+    def from_config(cls, config: Any) -> SynthRewardConfig:
+        """A SynthRewardConfig from a `reward` section (ConfigDict or mapping) or an instance; an
+        unknown field is a ConfigError naming the closest known ones."""
+        if isinstance(config, cls):
+            return config
+        return cls(**section_fields(config, tuple(SYNTH_REWARD_SPECS), "reward"))
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """The `rollout` section, validated and frozen: P = prompts_per_step prompts x G =
+    group_size samples per batch; async_mode samples in a background thread, dropping a batch
+    more than max_staleness parameter versions old; max_draws bounds the draws of dynamic
+    sampling (`RolloutCollector.collect`). The agent job's section holds only P and G."""
+
+    prompts_per_step: int = 8
+    group_size: int = 8
+    async_mode: bool = False
+    max_staleness: int = 1
+    max_draws: int = 4
+
+    def __post_init__(self):
+        check_values(self, ROLLOUT_SPECS, "rollout")
+
+    @classmethod
+    def from_config(cls, config: Any) -> RolloutConfig:
+        """A RolloutConfig from a `rollout` section (ConfigDict or mapping) or an instance; an
+        unknown field is a ConfigError naming the closest known ones."""
+        if isinstance(config, cls):
+            return config
+        return cls(**section_fields(config, tuple(ROLLOUT_SPECS), "rollout"))
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxConfig:
+    """The `sandbox` section, validated and frozen: workers, the processes of the sandbox pool;
+    timeout, the seconds one execution may run (the agent job's; the synthesis job's is
+    `SynthRewardConfig.timeout`, and its section leaves this None)."""
+
+    workers: int = 2
+    timeout: float | None = None
+
+    def __post_init__(self):
+        check_values(self, SANDBOX_SPECS, "sandbox")
+
+    @classmethod
+    def from_config(cls, config: Any) -> SandboxConfig:
+        """A SandboxConfig from a `sandbox` section (ConfigDict or mapping) or an instance; an
+        unknown field is a ConfigError naming the closest known ones."""
+        if isinstance(config, cls):
+            return config
+        return cls(**section_fields(config, tuple(SANDBOX_SPECS), "sandbox"))
+
 
 def reward_config(**overrides: Any) -> ml_collections.ConfigDict:
-    """The `reward` config section (see the module docstring)."""
-    cfg = ml_collections.ConfigDict({"tests": "all_pass", "truncation_penalty": 0.0, "timeout": 5.0})
+    """The `reward` config section (see the module docstring): the `SynthRewardConfig` defaults."""
+    cfg = ml_collections.ConfigDict({f.name: f.default for f in dataclasses.fields(SynthRewardConfig)})
     apply_overrides(cfg, overrides, "reward")
+    SynthRewardConfig.from_config(cfg)
     return cfg
 
 
@@ -222,15 +305,17 @@ class RolloutCollector:
       tokenizer: decodes completions (stop token = EOS).
       grader: a `Grader`.
       sampling: the sampler's `SamplingConfig` (its stop_ids must contain the EOS id).
-      reward: a `reward` config section; shaping: the recipe's `shaping` section.
+      reward: the `SynthRewardConfig`; shaping: the recipe's `ShapingConfig`.
       group_size: G samples per prompt.
       sample_fn: the sampler (default `rlcode.sampling.sample`); the signature of that function.
     """
 
     def __init__(self, graphdef: Any, tasks: EncodedTasks, tokenizer: Tokenizer, grader: Grader,
-                 sampling: SamplingConfig, reward: Any, shaping: Any, group_size: int,
+                 sampling: SamplingConfig, reward: SynthRewardConfig, shaping: ShapingConfig, group_size: int,
                  sample_fn: Callable = sample):
-        one_of(reward.tests, TEST_REWARDS, "reward.tests")
+        expect_type(sampling, SamplingConfig, "sampling")
+        expect_type(reward, SynthRewardConfig, "reward")
+        expect_type(shaping, ShapingConfig, "shaping")
         if tokenizer.eos_id not in sampling.stop_ids:
             raise ValueError("the sampler's stop_ids must contain the tokenizer's EOS id")
         self.graphdef = graphdef
@@ -275,7 +360,7 @@ class RolloutCollector:
         truncated = ~stopped & (lengths >= M)
         tests = (frac >= 1.0).astype(np.float32) if self.reward.tests == "all_pass" else frac
         terms = {"tests": tests, "truncated": -self.reward.truncation_penalty * truncated.astype(np.float32)}
-        cache = config_get(self.shaping, "overlong_cache_length", 0)
+        cache = self.shaping.overlong_cache_length
         if cache:
             terms["overlong"] = np.asarray(adv_lib.overlong_penalty(jnp.asarray(lengths), M, cache), np.float32)
         else:

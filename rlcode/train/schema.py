@@ -15,10 +15,10 @@ import math
 from typing import Any
 
 from rlcode import losses
-from rlcode.advantages import NORMALIZE_MODES
+from rlcode.advantages import ADVANTAGE_SPECS, AdvantageConfig
 from rlcode.checks import (ConfigError, check_fields, config_errors, flag, integer, real, schema_from_defaults,
                            sequence, text)
-from rlcode.recipes import ADVANTAGE_ESTIMATORS, RECIPES
+from rlcode.recipes import RECIPES, SHAPING_SPECS, ShapingConfig
 from rlcode.sharding import DEFAULT_RULES, MESH_AXES
 
 SEED = integer(0, 2**31 - 1)
@@ -43,16 +43,9 @@ MODEL_SPECS = {
     "num_kv_heads": integer(1), "head_dim": integer(2), "ffw_dim": integer(1), "rope_theta": real(0, low_open=True),
     "norm_eps": real(0, low_open=True), "qk_norm": flag(), "tie_embeddings": flag(), "value_head": flag(),
 }
-ADVANTAGE_SPECS = {"estimator": text(ADVANTAGE_ESTIMATORS), "normalize": text(NORMALIZE_MODES),
-                   "eps": real(0, low_open=True), "gamma": real(0, 1), "lam": real(0, 1)}
-LOSS_SPECS = {
-    "kind": text(losses.POLICY_KINDS), "clip_low": real(0), "clip_high": real(0),
-    "dual_clip": real(1, low_open=True, none_ok=True), "agg": text(losses.AGG_MODES),
-    "norm_length": integer(1, none_ok=True), "is_mode": text(losses.IS_MODES), "is_level": text(losses.IS_LEVELS),
-    "is_cap": real(0, low_open=True), "is_low": real(0), "is_high": real(0, low_open=True), "kl_coef": real(0),
-    "kl_kind": text(losses.KL_KINDS), "kl_penalty": text(("loss", "reward")), "entropy_coef": real(0),
-    "value_coef": real(0), "value_clip": real(0),
-}
+# The advantage, loss and shaping sections are checked with the Specs of the typed sections the
+# library reads them as (`AdvantageConfig`, `losses.ObjectiveConfig`, `ShapingConfig`).
+LOSS_SPECS = {**losses.POLICY_SPECS, **losses.OBJECTIVE_SPECS}
 SFT_SPECS = {"steps": integer(0), "batch_size": integer(1), "microbatches": integer(1), "lr": real(0, low_open=True),
              "warmup_steps": integer(0), "min_lr_ratio": real(0, 1), "weight_decay": real(0), "grad_clip": real(0),
              "cache_dir": text(), "log_every": integer(0)}
@@ -104,7 +97,7 @@ def common_schema(cfg: Any) -> dict[str, Any]:
         "mesh": schema_from_defaults(mesh_config(), MESH_SPECS),
         "advantage": schema_from_defaults(advantage_config(), ADVANTAGE_SPECS),
         "loss": schema_from_defaults(losses.loss_config(), LOSS_SPECS),
-        "shaping": {"dynamic_sampling": flag(), "overlong_cache_length": integer(0)},
+        "shaping": dict(SHAPING_SPECS),
         "sft": schema_from_defaults(sft_config(), SFT_SPECS),
         "optim": schema_from_defaults(optim_config(), OPTIM_SPECS),
         "checkpoint": {"every": integer(0), "keep": integer(1)},
@@ -163,7 +156,11 @@ def check_common(cfg: Any, num_devices: int | None = None) -> None:
                               f"{tuple(known_rules)} and mesh axes of {MESH_AXES}")
     mesh_sizes(cfg.mesh, num_devices)
     with config_errors("loss"):
-        losses.validate_loss_config(cfg.loss)
+        losses.ObjectiveConfig.from_config(cfg.loss)
+    with config_errors("advantage"):
+        AdvantageConfig.from_config(cfg.advantage)
+    with config_errors("shaping"):
+        ShapingConfig.from_config(cfg.shaping)
     if cfg.sft.steps > 0 and cfg.sft.batch_size % cfg.sft.microbatches:
         raise ConfigError(f"sft.batch_size={cfg.sft.batch_size} is not divisible by sft.microbatches="
                           f"{cfg.sft.microbatches}")

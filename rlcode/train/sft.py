@@ -36,6 +36,10 @@ from rlcode.train.rollout import EncodedTasks, trim_batch
 from rlcode.train.step import init_train_state, make_optimizer, make_train_step, optim_config
 
 
+# The SFT loss as an objective: reinforce with advantage 1, token-mean (see the module docstring).
+SFT_OBJECTIVE = losses.ObjectiveConfig(policy=losses.PolicyLossConfig(kind="reinforce", agg="token-mean"))
+
+
 def sft_config(**overrides: Any) -> ml_collections.ConfigDict:
     """The `sft` config section. steps = 0 disables the warm start."""
     cfg = ml_collections.ConfigDict(
@@ -117,8 +121,7 @@ def train(model_cfg: Any, sft_cfg: Any, demos: Any, seed: int,
                          grad_clip=sft_cfg.grad_clip)
     optimizer = make_optimizer(optim)
     graphdef, state = init_train_state(model, optimizer, seed)
-    loss_cfg = losses.loss_config(kind="reinforce", agg="token-mean")
-    step_fn = make_train_step(graphdef, loss_cfg, optimizer, microbatches=sft_cfg.microbatches)
+    step_fn = make_train_step(graphdef, SFT_OBJECTIVE, optimizer, microbatches=sft_cfg.microbatches)
     rng = np.random.default_rng(seed)
     bs = min(sft_cfg.batch_size, len(demos))
     order = rng.permutation(len(demos))

@@ -26,6 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rlcode import losses
+from rlcode.checks import expect_type
 from rlcode.models.moe import rebalance_routers
 from rlcode.models.attention import AttentionMask
 from rlcode.models.logprobs import token_logprobs
@@ -157,7 +158,7 @@ def make_logprob_fn(
 
 def make_train_step(
     graphdef: nnx.GraphDef,
-    loss_config: Any,
+    objective: losses.ObjectiveConfig,
     optimizer: optax.GradientTransformation,
     *,
     microbatches: int = 1,
@@ -174,7 +175,8 @@ def make_train_step(
 
     Args:
       graphdef: from `init_train_state`.
-      loss_config: a `loss` config section (`rlcode.losses.loss_config`).
+      objective: the `rlcode.losses.ObjectiveConfig` of the `loss` section
+        (`ObjectiveConfig.from_config(cfg.loss)`, converted once where the job reads its config).
       optimizer: from `make_optimizer`.
       microbatches: M; the batch is split into M strided micro-batches (rows i, i+M, ...) whose
         gradients are accumulated exactly.
@@ -188,14 +190,14 @@ def make_train_step(
       log_entropy: report the policy's mean entropy (`entropy` metric) even when
         loss.entropy_coef is 0 (costs one more pass over each log-prob chunk).
     """
-    losses.validate_loss_config(loss_config)
-    need_entropy = loss_config.entropy_coef > 0 or log_entropy
+    expect_type(objective, losses.ObjectiveConfig, "objective")
+    need_entropy = objective.entropy_coef > 0 or log_entropy
     options = dict(temperature=temperature, top_k=top_k, top_p=top_p)
 
     def terms_fn(params, mb):
         logp, entropy, values, aux = _forward_logprobs(graphdef, params, mb, options, need_entropy)
         num, den, metrics = losses.objective_terms(
-            loss_config, logp, mb["old_logp"], mb["advantages"], mb["mask"],
+            objective, logp, mb["old_logp"], mb["advantages"], mb["mask"],
             behavior_logp=mb.get("behavior_logp"), ref_logp=mb.get("ref_logp"), entropy=entropy,
             values=values if "returns" in mb else None, old_values=mb.get("old_values"), returns=mb.get("returns"),
         )

@@ -42,7 +42,7 @@ def test_config_builds_for_every_argument(path):
         cfg = parse([f"--config={path}" + (f":{arg}" if arg else "")])
         assert isinstance(cfg, ml_collections.ConfigDict)
         if "loss" in cfg:
-            losses.validate_loss_config(cfg.loss)
+            losses.ObjectiveConfig.from_config(cfg.loss)
 
 
 def test_command_line_overrides_reach_the_config():
@@ -71,6 +71,6 @@ def test_recipes_match_the_papers():
     assert (r["cispo"].loss.kind, r["cispo"].loss.clip_low, r["cispo"].loss.agg) == ("cispo", 1.0, "token-mean")
     assert r["ppo"].advantage.estimator == "gae" and r["ppo"].loss.value_coef > 0
     for cfg in r.values():
-        losses.validate_loss_config(cfg.loss)
+        losses.ObjectiveConfig.from_config(cfg.loss)
     with pytest.raises(ValueError, match="max_new_tokens"):
         recipes.recipe("grpo", max_new_tokens=0)

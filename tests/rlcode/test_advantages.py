@@ -18,6 +18,7 @@ import pytest
 from numpy.testing import assert_allclose, assert_array_equal
 
 from rlcode import advantages as adv_lib
+from rlcode.advantages import AdvantageConfig
 from rlcode.recipes import advantage_config
 
 EPS = 1e-6
@@ -767,7 +768,7 @@ def test_compute_advantages_group(normalize, with_valid):
         valid = np.ones(b_size, bool)
         valid[[2, 7]] = False
         rewards[[2, 7]] = np.nan
-    cfg = advantage_config(normalize=normalize, eps=1e-6)
+    cfg = AdvantageConfig.from_config(advantage_config(normalize=normalize, eps=1e-6))
     valid_arg = None if valid is None else jnp.asarray(valid)
     adv, ret = adv_lib.compute_advantages(cfg, jnp.asarray(rewards), jnp.asarray(mask), group_size,
                                           valid=valid_arg)
@@ -783,7 +784,7 @@ def test_compute_advantages_group(normalize, with_valid):
 def test_compute_advantages_group_uses_config_eps():
     rewards = np.array([0.0, 1.0, 3.0, 7.0], dtype=np.float32)
     mask = np.ones((4, 2), bool)
-    adv, _ = adv_lib.compute_advantages(advantage_config(eps=0.5), jnp.asarray(rewards), jnp.asarray(mask), 4)
+    adv, _ = adv_lib.compute_advantages(AdvantageConfig(eps=0.5), jnp.asarray(rewards), jnp.asarray(mask), 4)
     want = oracle_broadcast(oracle_group(rewards, 4, "std", eps=0.5), mask)
     assert_allclose(np.asarray(adv), want, rtol=RTOL)
 
@@ -796,7 +797,7 @@ def test_compute_advantages_gae(with_valid):
     rewards = rng.normal(size=b_size).astype(np.float32)
     values = rng.normal(size=(b_size, t_size)).astype(np.float32)
     gamma, lam = 0.97, 0.85
-    cfg = advantage_config(estimator="gae", gamma=gamma, lam=lam)
+    cfg = AdvantageConfig.from_config(advantage_config(estimator="gae", gamma=gamma, lam=lam))
     valid = None
     token_mask = mask.copy()
     if with_valid:
@@ -818,14 +819,17 @@ def test_compute_advantages_gae(with_valid):
 def test_compute_advantages_errors():
     rewards = jnp.array([1.0, 0.0, 1.0, 1.0])
     mask = jnp.ones((4, 3), bool)
+    gae_cfg = AdvantageConfig(estimator="gae")
     with pytest.raises(ValueError, match="values"):
-        adv_lib.compute_advantages(advantage_config(estimator="gae"), rewards, mask, 2)
+        adv_lib.compute_advantages(gae_cfg, rewards, mask, 2)
     with pytest.raises(ValueError, match="non-finite"):
-        adv_lib.compute_advantages(advantage_config(estimator="gae"), rewards.at[1].set(jnp.nan), mask, 2,
-                                   values=jnp.zeros((4, 3)))
+        adv_lib.compute_advantages(gae_cfg, rewards.at[1].set(jnp.nan), mask, 2, values=jnp.zeros((4, 3)))
     with pytest.raises(ValueError, match="non-finite"):
-        adv_lib.compute_advantages(advantage_config(), rewards.at[1].set(jnp.inf), mask, 2)
+        adv_lib.compute_advantages(AdvantageConfig(), rewards.at[1].set(jnp.inf), mask, 2)
     cfg = advantage_config()
     cfg.estimator = "monte-carlo"
     with pytest.raises(ValueError, match="estimator"):
-        adv_lib.compute_advantages(cfg, rewards, mask, 2)
+        adv_lib.compute_advantages(AdvantageConfig.from_config(cfg), rewards, mask, 2)
+    # The library reads the typed section only: the ConfigDict itself is refused.
+    with pytest.raises(TypeError, match="AdvantageConfig.from_config"):
+        adv_lib.compute_advantages(advantage_config(), rewards, mask, 2)

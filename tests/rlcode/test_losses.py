@@ -109,7 +109,13 @@ def random_inputs(seed, B, T, spread=0.3, seq_adv=True):
 
 
 def cfg(**kw):
-    return losses.loss_config(**kw)
+    """The `loss` section with these overrides, read as a job reads it: an `ObjectiveConfig`."""
+    return losses.ObjectiveConfig.from_config(losses.loss_config(**kw))
+
+
+def pcfg(**kw):
+    """The policy-loss part of `cfg(**kw)`: what `policy_loss` takes."""
+    return cfg(**kw).policy
 
 
 # --------------------------------------------------------------------------------------------
@@ -124,7 +130,7 @@ def test_policy_loss_matches_oracle(kind, agg, shape):
     B, T = shape
     for seq_adv in (True, False):
         logp, old, _, adv, mask = random_inputs(hash((kind, agg, shape, seq_adv)) % 2**31, B, T, seq_adv=seq_adv)
-        c = cfg(kind=kind, agg=agg, norm_length=T + 3, clip_low=0.1, clip_high=0.15)
+        c = pcfg(kind=kind, agg=agg, norm_length=T + 3, clip_low=0.1, clip_high=0.15)
         loss, metrics = losses.policy_loss(jnp.asarray(logp), jnp.asarray(old), jnp.asarray(adv), jnp.asarray(mask), c)
         per_tok = np_per_token(logp, old, adv, mask, kind, 0.1, 0.15, None)
         expected = np_aggregate(per_tok, mask, agg, T + 3)
@@ -135,7 +141,7 @@ def test_policy_loss_matches_oracle(kind, agg, shape):
 @pytest.mark.parametrize("kind", ["ppo", "gspo", "gspo_token"])
 def test_dual_clip_matches_oracle_and_bounds_loss(kind):
     logp, old, _, adv, mask = random_inputs(3, 5, 9, spread=1.5, seq_adv=False)
-    c = cfg(kind=kind, dual_clip=3.0, clip_low=0.2, clip_high=0.2)
+    c = pcfg(kind=kind, dual_clip=3.0, clip_low=0.2, clip_high=0.2)
     loss, metrics = losses.policy_loss(jnp.asarray(logp), jnp.asarray(old), jnp.asarray(adv), jnp.asarray(mask), c)
     per_tok = np_per_token(logp, old, adv, mask, kind, 0.2, 0.2, 3.0)
     np.testing.assert_allclose(float(loss), np_aggregate(per_tok, mask, "token-mean"), rtol=2e-5)
@@ -155,7 +161,7 @@ def test_is_corrected_loss_matches_oracle(mode, level, agg):
     B, T = 5, 11
     logp, old, beh, adv, mask = random_inputs(7, B, T, spread=0.5)
     beh = beh + np.random.default_rng(70).normal(0, 0.9, (B, 1))  # per-sequence drift, for the sequence levels
-    c = cfg(kind="ppo", agg=agg, is_mode=mode, is_level=level, is_cap=1.5, is_low=0.7, is_high=1.4)
+    c = pcfg(kind="ppo", agg=agg, is_mode=mode, is_level=level, is_cap=1.5, is_low=0.7, is_high=1.4)
     loss, metrics = losses.policy_loss(
         jnp.asarray(logp), jnp.asarray(old), jnp.asarray(adv), jnp.asarray(mask), c, behavior_logp=jnp.asarray(beh)
     )
@@ -189,7 +195,7 @@ def test_is_corrected_loss_matches_oracle(mode, level, agg):
 def test_metrics_match_oracle():
     B, T = 6, 13
     logp, old, _, adv, mask = random_inputs(11, B, T, spread=0.4)
-    _, m = losses.policy_loss(jnp.asarray(logp), jnp.asarray(old), jnp.asarray(adv), jnp.asarray(mask), cfg(clip_high=0.28))
+    _, m = losses.policy_loss(jnp.asarray(logp), jnp.asarray(old), jnp.asarray(adv), jnp.asarray(mask), pcfg(clip_high=0.28))
     r = np.exp(logp - old)
     A = np.broadcast_to(adv[:, None], (B, T))
     n = mask.sum()
@@ -215,7 +221,7 @@ def grad_logp(c, logp, old, adv, mask, **kw):
 def test_ppo_gradient_zero_on_actively_clipped_tokens():
     B, T = 16, 20
     logp, old, _, adv, mask = random_inputs(5, B, T, spread=0.5, seq_adv=False)
-    g = grad_logp(cfg(kind="ppo", clip_low=0.2, clip_high=0.28), logp, old, adv, mask)
+    g = grad_logp(pcfg(kind="ppo", clip_low=0.2, clip_high=0.28), logp, old, adv, mask)
     r = np.exp(logp - old)
     clipped = mask & (((adv > 0) & (r > 1.28)) | ((adv < 0) & (r < 0.8)))
     live = mask & ~clipped & (adv != 0)
@@ -229,7 +235,7 @@ def test_ppo_gradient_zero_on_actively_clipped_tokens():
 def test_dual_clip_gradient_zero_beyond_c():
     B, T = 4, 16
     logp, old, _, adv, mask = random_inputs(8, B, T, spread=1.5, seq_adv=False)
-    g = grad_logp(cfg(kind="ppo", dual_clip=3.0), logp, old, adv, mask)
+    g = grad_logp(pcfg(kind="ppo", dual_clip=3.0), logp, old, adv, mask)
     r = np.exp(logp - old)
     dual = mask & (adv < 0) & (r > 3.0)
     assert dual.sum() > 0
@@ -239,7 +245,7 @@ def test_dual_clip_gradient_zero_beyond_c():
 def test_cispo_gradient_is_clipped_weight_times_advantage():
     B, T = 5, 12
     logp, old, _, adv, mask = random_inputs(9, B, T, spread=0.6)
-    g = grad_logp(cfg(kind="cispo", clip_low=0.3, clip_high=0.25), logp, old, adv, mask)
+    g = grad_logp(pcfg(kind="cispo", clip_low=0.3, clip_high=0.25), logp, old, adv, mask)
     w = np.clip(np.exp(logp - old), 0.7, 1.25)
     expected = np.where(mask, -w * adv[:, None] / mask.sum(), 0)
     np.testing.assert_allclose(g, expected, rtol=1e-5, atol=1e-9)
@@ -252,8 +258,8 @@ def test_gspo_token_gradient_equals_gspo(agg):
     B, T = 6, 15
     logp, old, _, adv, mask = random_inputs(12, B, T, spread=0.02)
     kw = dict(clip_low=0.015, clip_high=0.02, agg=agg, norm_length=T)
-    g_seq = grad_logp(cfg(kind="gspo", **kw), logp, old, adv, mask)
-    g_tok = grad_logp(cfg(kind="gspo_token", **kw), logp, old, adv, mask)
+    g_seq = grad_logp(pcfg(kind="gspo", **kw), logp, old, adv, mask)
+    g_tok = grad_logp(pcfg(kind="gspo_token", **kw), logp, old, adv, mask)
     np.testing.assert_allclose(g_tok, g_seq, rtol=1e-5, atol=1e-9)
     assert np.abs(g_seq).max() > 0
     # Some sequences are clipped, some not: the identity covers both regimes.
@@ -265,7 +271,7 @@ def test_gspo_token_gradient_equals_gspo(agg):
 def test_gspo_gradient_matches_sequence_ratio_oracle():
     B, T = 4, 9
     logp, old, _, adv, mask = random_inputs(13, B, T, spread=0.001)
-    g = grad_logp(cfg(kind="gspo", clip_low=1.0, clip_high=1.0, agg="seq-mean-token-mean"), logp, old, adv, mask)
+    g = grad_logp(pcfg(kind="gspo", clip_low=1.0, clip_high=1.0, agg="seq-mean-token-mean"), logp, old, adv, mask)
     # Unclipped: loss = -mean_b s_b A_b, ds_b/dlogp_t = s_b / |y_b|.
     rows = mask.any(-1)
     expected = np.zeros((B, T))
@@ -332,7 +338,7 @@ def test_microbatch_accumulation_equals_full_batch(agg, kind):
 def test_data_parallel_accumulation_uses_global_denominator():
     """Shards (a named vmap axis standing in for devices) psum numerators and denominators."""
     params, batch, logp_fn = _toy_problem(22)
-    c = cfg(kind="ppo", agg="seq-mean-token-mean")
+    c = pcfg(kind="ppo", agg="seq-mean-token-mean")
 
     def terms(p, mb):
         return losses.policy_loss_terms(logp_fn(p, mb["feats"], mb["tokens"]), mb["old"], mb["adv"], mb["mask"], c)
@@ -363,7 +369,7 @@ def test_baseline_unbiased_and_lowers_variance():
     exact = probs * (R - probs @ R)
 
     actions = jax.random.categorical(jax.random.key(1), theta, shape=(N,))
-    c = cfg(kind="reinforce", agg="token-mean")
+    c = pcfg(kind="reinforce", agg="token-mean")
 
     def per_sample_grad(a, adv):
         def loss(th):
@@ -510,7 +516,7 @@ def test_all_masked_batch_gives_zero_and_finite_grads(kind, agg):
     B, T = 3, 4
     logp = jnp.full((B, T), -jnp.inf).at[0, 0].set(-1.0)  # padding may hold -inf
     mask = jnp.zeros((B, T), bool)
-    c = cfg(kind=kind, agg=agg, norm_length=4)
+    c = pcfg(kind=kind, agg=agg, norm_length=4)
     f = lambda lp: losses.policy_loss(lp, jnp.zeros((B, T)), jnp.ones((B,)), mask, c)[0]
     assert float(f(logp)) == 0.0
     g = jax.grad(f)(logp)
@@ -526,7 +532,7 @@ def test_all_masked_batch_gives_zero_and_finite_grads(kind, agg):
 def test_extreme_log_ratios_are_clamped():
     logp = jnp.array([[0.0, -1e4]])
     old = jnp.array([[-1e4, 0.0]])
-    loss, m = losses.policy_loss(logp, old, jnp.array([1.0]), jnp.ones((1, 2)), cfg(kind="cispo"))
+    loss, m = losses.policy_loss(logp, old, jnp.array([1.0]), jnp.ones((1, 2)), pcfg(kind="cispo"))
     assert np.isfinite(float(loss)) and float(m["ratio_max"]) == pytest.approx(np.exp(20.0), rel=1e-5)
 
 
@@ -534,7 +540,7 @@ def test_extreme_log_ratios_are_clamped():
 def test_jit_vmap_and_bfloat16(kind):
     B, T = 4, 6
     logp, old, beh, adv, mask = random_inputs(14, B, T)
-    c = cfg(kind=kind, is_mode="tis")
+    c = pcfg(kind=kind, is_mode="tis")
     f = lambda lp, o, a, m, b: losses.policy_loss(lp, o, a, m, c, behavior_logp=b)[0]
     args = [jnp.asarray(x, jnp.float32) for x in (logp, old, adv)] + [jnp.asarray(mask), jnp.asarray(beh, jnp.float32)]
     eager = float(f(*args))
@@ -555,11 +561,18 @@ def test_jit_vmap_and_bfloat16(kind):
 
 def test_config_forms_and_validation():
     logp, old, _, adv, mask = (jnp.asarray(x) for x in random_inputs(15, 3, 5))
-    base = losses.policy_loss(logp, old, adv, mask, cfg(kind="cispo", clip_high=0.3))[0]
+    base = losses.policy_loss(logp, old, adv, mask, pcfg(kind="cispo", clip_high=0.3))[0]
     as_dc = losses.policy_loss(logp, old, adv, mask, losses.PolicyLossConfig(kind="cispo", clip_high=0.3))[0]
-    as_dict = losses.policy_loss(logp, old, adv, mask, {"kind": "cispo", "clip_high": 0.3})[0]
+    from_dict = losses.PolicyLossConfig.from_config({"kind": "cispo", "clip_high": 0.3})
+    as_dict = losses.policy_loss(logp, old, adv, mask, from_dict)[0]
     assert float(base) == float(as_dc) == float(as_dict)
     assert dataclasses.is_dataclass(losses.PolicyLossConfig) and losses.PolicyLossConfig.__dataclass_params__.frozen
+    # The library takes the typed section only: a dict or a ConfigDict is refused, not read.
+    for untyped in ({"kind": "cispo", "clip_high": 0.3}, losses.loss_config(kind="cispo")):
+        with pytest.raises(TypeError, match="PolicyLossConfig.from_config"):
+            losses.policy_loss(logp, old, adv, mask, untyped)
+        with pytest.raises(TypeError, match="ObjectiveConfig.from_config"):
+            losses.objective_terms(untyped, logp, old, adv, mask)
 
     bad = [
         (dict(kind="trpo"), "loss.kind"),
@@ -576,11 +589,11 @@ def test_config_forms_and_validation():
         with pytest.raises(ValueError, match=match):
             losses.loss_config(**overrides)
     with pytest.raises(ValueError, match="behavior_logp"):
-        losses.policy_loss(logp, old, adv, mask, cfg(is_mode="tis"))
+        losses.policy_loss(logp, old, adv, mask, pcfg(is_mode="tis"))
     with pytest.raises(ValueError, match="advantages"):
-        losses.policy_loss(logp, old, adv[:2], mask, cfg())
+        losses.policy_loss(logp, old, adv[:2], mask, pcfg())
     with pytest.raises(ValueError, match="mask's shape"):
-        losses.policy_loss(logp[:, :3], old, adv, mask, cfg())
+        losses.policy_loss(logp[:, :3], old, adv, mask, pcfg())
 
 
 def test_config_dict_overrides_like_the_command_line():

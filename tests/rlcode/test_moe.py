@@ -299,7 +299,7 @@ def test_moe_transformer_trains_in_the_train_step():
 
     model = tiny_moe_model(router="sigmoid", dispatch="capacity", capacity_factor=1.0, num_shared_experts=1,
                            aux_loss_coef=0.1, z_loss_coef=0.01)
-    loss_cfg = losses.loss_config(kind="ppo", agg="token-mean")
+    loss_cfg = losses.ObjectiveConfig.from_config(losses.loss_config(kind="ppo", agg="token-mean"))
     optimizer = step_lib.make_optimizer(step_lib.optim_config(lr=3e-3, warmup_steps=0))
     graphdef, state = step_lib.init_train_state(model, optimizer, seed=0)
     batch = {k: jnp.asarray(v) for k, v in step_check.make_batch(B=4, T=8, V=61).items()}

@@ -18,15 +18,20 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 
-def build(seed=0):
+LOSS = dict(kind="ppo", agg="seq-mean-token-mean", clip_high=0.28, is_mode="tis", kl_coef=0.05, entropy_coef=0.01,
+            value_coef=0.5)
+
+
+def build(seed=0, **loss_overrides):
+    """(model, objective, optim section): the `loss` section (LOSS with `loss_overrides`) read as
+    a job reads it, into an `ObjectiveConfig`."""
     from rlcode import losses
     from rlcode.models.transformer import init_model, model_config
     from rlcode.train import step as step_lib
 
     cfg = model_config(vocab_size=96, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
                        ffw_dim=64, tie_embeddings=False, value_head=True, qk_norm=True)
-    loss_cfg = losses.loss_config(kind="ppo", agg="seq-mean-token-mean", clip_high=0.28, is_mode="tis",
-                                  kl_coef=0.05, entropy_coef=0.01, value_coef=0.5)
+    loss_cfg = losses.ObjectiveConfig.from_config(losses.loss_config(**{**LOSS, **loss_overrides}))
     optim = step_lib.optim_config(lr=1e-3, warmup_steps=2, total_steps=10, weight_decay=0.1)
     return init_model(cfg, seed=seed), loss_cfg, optim
 

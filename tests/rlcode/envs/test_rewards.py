@@ -1,5 +1,5 @@
 """rlcode.envs.rewards: every term against hand-computed values, the hack and infrastructure
-rules, the config readers, and one end-to-end check on real grades."""
+rules, the typed config section, and one end-to-end check on real grades."""
 
 from __future__ import annotations
 
@@ -64,6 +64,7 @@ def test_pass_fraction_mode_and_custom_weights():
     cfg = rewards.reward_config(test_reward="pass_fraction", length_weight=0.5, length_midpoint=100.0,
                                 length_growth=3.0, length_softness=0.5, malformed_weight=0.2, malformed_cap=2,
                                 turn_weight=0.1)
+    cfg = rewards.RewardConfig.from_config(cfg)
     # d = 2: L0 = 300, s = 150; N = 450 -> sigmoid(1).
     reward, terms, _, _ = rewards.compute_reward(grade_result(passed=2), trajectory([150, 300], malformed=5),
                                                  Task(2), cfg)
@@ -73,7 +74,7 @@ def test_pass_fraction_mode_and_custom_weights():
 
 
 def test_length_penalty_shape():
-    cfg = rewards.read_reward_config(None)
+    cfg = rewards.RewardConfig()
     assert [rewards.length_midpoint(d) for d in (1, 2, 3)] == [1024.0, 2048.0, 4096.0]
     grid = [0, 256, 512, 1024, 1536, 2048, 4096, 8192, 16384]
     for d in (1, 2, 3):
@@ -96,7 +97,7 @@ def test_timeout_and_crash_are_failures_with_flags():
         # Even a grade that somehow carries passes scores 0 on tests when the run did not finish.
         g = dataclasses.replace(grade_result(passed=3), status=status, flags=(status,), all_passed=False)
         for mode in rewards.TEST_REWARDS:
-            reward, terms, flags, valid = rewards.compute_reward(g, trajectory([100]), Task(1), {"test_reward": mode})
+            reward, terms, flags, valid = rewards.compute_reward(g, trajectory([100]), Task(1), rewards.RewardConfig(test_reward=mode))
             assert valid and terms["tests"] == 0.0 and flags == (status,)
             assert reward == pytest.approx(terms["length"] + terms["turns"])
 
@@ -114,37 +115,42 @@ def test_hack_flags(flag):
     traj = trajectory([256] * 4, malformed=1)
     penalties = -0.1 * SIG0 - 0.05 - 0.04
     # zero_tests (default): the test term is zeroed, penalties stay; a hack never beats an honest failure.
-    reward, terms, flags, valid = rewards.compute_reward(g, traj, Task(1), {"hack_penalty": 0.5})
+    reward, terms, flags, valid = rewards.compute_reward(g, traj, Task(1), rewards.RewardConfig(hack_penalty=0.5))
     assert valid and flags == (flag,) and terms["tests"] == 0.0 and terms["hack"] == -0.5
     assert reward == pytest.approx(penalties - 0.5)
     honest_failure, _, _, _ = rewards.compute_reward(grade_result(passed=0), traj, Task(1), None)
     assert rewards.compute_reward(g, traj, Task(1), None)[0] == pytest.approx(honest_failure)
     # zero_reward: exactly 0, and the terms still sum to the reward.
-    reward, terms, _, _ = rewards.compute_reward(g, traj, Task(1), {"hack_mode": "zero_reward"})
+    reward, terms, _, _ = rewards.compute_reward(g, traj, Task(1), rewards.RewardConfig(hack_mode="zero_reward"))
     assert reward == 0.0 and sum(terms.values()) == pytest.approx(0.0)
     assert terms["tests"] == 1.0 and terms["hack"] == pytest.approx(-(1.0 + penalties))
     # none: flags are reported, nothing changes.
-    reward, terms, flags, _ = rewards.compute_reward(g, traj, Task(1), {"hack_mode": "none"})
+    reward, terms, flags, _ = rewards.compute_reward(g, traj, Task(1), rewards.RewardConfig(hack_mode="none"))
     assert reward == pytest.approx(1.0 + penalties) and terms["hack"] == 0.0 and flags == (flag,)
     # A flag outside hack_flags does not count as a hack.
     others = tuple(f for f in rewards.DEFAULT_HACK_FLAGS if f != flag)
-    reward, _, _, _ = rewards.compute_reward(g, traj, Task(1), {"hack_flags": others})
+    reward, _, _, _ = rewards.compute_reward(g, traj, Task(1), rewards.RewardConfig(hack_flags=others))
     assert reward == pytest.approx(1.0 + penalties)
 
 
 def test_config_readers():
     cfg = rewards.reward_config()
     assert isinstance(cfg, ml_collections.ConfigDict)
-    assert rewards.read_reward_config(cfg) == rewards.RewardConfig() == rewards.read_reward_config(None)
-    assert rewards.read_reward_config({"turn_weight": 0.5}).turn_weight == 0.5
-    assert rewards.read_reward_config(cfg.to_dict()) == rewards.RewardConfig()
-    assert rewards.read_reward_config(ml_collections.FrozenConfigDict(cfg)) == rewards.RewardConfig()
-    listed = rewards.read_reward_config({"hack_flags": ["tests_edited"]})
+    read = rewards.RewardConfig.from_config
+    assert read(cfg) == rewards.RewardConfig() == read({}) == read(rewards.RewardConfig())
+    assert read({"turn_weight": 0.5}).turn_weight == 0.5
+    assert read(cfg.to_dict()) == rewards.RewardConfig()
+    assert read(ml_collections.FrozenConfigDict(cfg)) == rewards.RewardConfig()
+    listed = read({"hack_flags": ["tests_edited"]})
     assert listed.hack_flags == ("tests_edited",)
     g, traj = grade_result(passed=1), trajectory([300, 400], malformed=2)
     results = [rewards.compute_reward(g, traj, Task(2), c)
-               for c in (None, cfg, cfg.to_dict(), rewards.RewardConfig())]
+               for c in (None, read(cfg), read(cfg.to_dict()), rewards.RewardConfig())]
     assert all(r == results[0] for r in results)
+    # compute_reward takes the typed section only: a ConfigDict or a dict is refused, not read.
+    for untyped in (cfg, cfg.to_dict()):
+        with pytest.raises(TypeError, match="RewardConfig.from_config"):
+            rewards.compute_reward(g, traj, Task(2), untyped)
     with pytest.raises(ValueError, match="unknown reward config field"):
         rewards.reward_config(no_such_field=1)
     for bad, field in (({"test_reward": "best"}, "test_reward"), ({"hack_mode": "zero"}, "hack_mode"),
@@ -154,7 +160,7 @@ def test_config_readers():
                        ({"length_growth": 0.5}, "length_growth"), ({"malformed_cap": -1}, "malformed_cap"),
                        ({"turn_weight": math.nan}, "turn_weight")):
         with pytest.raises(ValueError, match=field):
-            rewards.read_reward_config(bad)
+            rewards.RewardConfig.from_config(bad)
     assert set(rewards.DEFAULT_HACK_FLAGS) <= set(grading.FLAGS)
 
 

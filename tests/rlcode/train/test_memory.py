@@ -12,6 +12,7 @@ from flax import nnx
 from support import tiny_job
 
 from rlcode.checks import ConfigError
+from rlcode.losses import ObjectiveConfig
 from rlcode.models.attention import attention_config
 from rlcode.models.moe import moe_config
 from rlcode.models.transformer import init_model
@@ -44,7 +45,7 @@ def test_train_step_estimate_is_close_to_xla_memory_analysis(tmp_path, kind):
     rows, T = 8, 256
     optimizer = make_optimizer(cfg.optim)
     graphdef, state = init_train_state(init_model(cfg.model, 0), optimizer, 0)
-    step = make_train_step(graphdef, cfg.loss, optimizer)
+    step = make_train_step(graphdef, ObjectiveConfig.from_config(cfg.loss), optimizer)
     zeros = jnp.zeros((rows, T), jnp.float32)
     batch = {"inputs": jnp.zeros((rows, T), jnp.int32), "targets": jnp.zeros((rows, T), jnp.int32),
              "positions": jnp.broadcast_to(jnp.arange(T), (rows, T)), "mask": jnp.ones((rows, T), bool),

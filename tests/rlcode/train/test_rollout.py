@@ -18,7 +18,11 @@ from rlcode.sampling import SampleOutput, SamplingConfig
 from rlcode.sandbox.spec import ExecResult
 from rlcode.tokenizer import ByteTokenizer
 from rlcode.train import loop, sft
-from rlcode.train.rollout import Grader, RolloutCollector, encode_tasks, reward_config, trim_batch
+from rlcode.advantages import AdvantageConfig
+from rlcode.losses import ObjectiveConfig
+from rlcode.recipes import ShapingConfig
+from rlcode.train.rollout import (Grader, RolloutCollector, SynthRewardConfig, encode_tasks, reward_config,
+                                  trim_batch)
 
 TOK = ByteTokenizer()
 
@@ -132,9 +136,16 @@ def _fake_sampler(plan):
 def _collector(tasks, plan, shaping=None, reward=None, G=2):
     enc = encode_tasks(tasks, TOK, 160, 48)
     sampling = SamplingConfig(max_new_tokens=48, stop_ids=(TOK.eos_id,), pad_id=TOK.pad_id)
-    shaping = shaping or {"dynamic_sampling": False, "overlong_cache_length": 0}
-    return RolloutCollector(None, enc, TOK, Grader(_FakePool(tasks)), sampling, reward or reward_config(), shaping, G,
+    shaping = ShapingConfig.from_config(shaping or {"dynamic_sampling": False, "overlong_cache_length": 0})
+    reward = SynthRewardConfig.from_config(reward or reward_config())
+    return RolloutCollector(None, enc, TOK, Grader(_FakePool(tasks)), sampling, reward, shaping, G,
                             sample_fn=_fake_sampler(plan))
+
+
+def _prepare_fn(cfg, graphdef, G):
+    """`loop.make_prepare_fn` with the typed sections `loop.run` builds from the job's config."""
+    return loop.make_prepare_fn(ObjectiveConfig.from_config(cfg.loss), AdvantageConfig.from_config(cfg.advantage),
+                                SamplingConfig.from_config(cfg.sampling), graphdef, G, TOK.pad_id)
 
 
 def test_rewards_valid_and_terms(tasks):
@@ -192,7 +203,7 @@ def test_prepare_masks_invalid_rows_and_matches_oracle(tmp_path, tasks):
     G = 4
     c = _collector(tasks, [["PASS", "x", "INFRA", "PASS", "x", "x", "PASS", "x"]], G=G)
     r = c.sample_and_grade(None, np.array([0, 1]), jax.random.key(0), version=0)
-    batch = loop.make_prepare_fn(cfg, graphdef, G, TOK.pad_id)(params, None, r)
+    batch = _prepare_fn(cfg, graphdef, G)(params, None, r)
     mask = np.asarray(batch["mask"])
     assert not mask[2].any() and mask[[0, 1, 3]].any(-1).all()
     adv = np.asarray(batch["advantages"])
@@ -256,7 +267,7 @@ def test_prepare_kl_as_reward_penalty(tmp_path, tasks):
     G = 4
     c = _collector(tasks, [["PASS", "x", "x", "PASS", "x", "x", "PASS", "x"]], G=G)
     r = c.sample_and_grade(None, np.array([0, 1]), jax.random.key(0), version=0)
-    batch = loop.make_prepare_fn(cfg, graphdef, G, TOK.pad_id)(params, ref_params, r)
+    batch = _prepare_fn(cfg, graphdef, G)(params, ref_params, r)
     mask = np.asarray(batch["mask"])
     kl = ((np.asarray(batch["old_logp"], np.float64) - np.asarray(batch["ref_logp"], np.float64)) * mask).sum(-1)
     shaped = r.rewards - 0.5 * kl

@@ -20,9 +20,7 @@ from support import step_check  # also the script the multi-device tests run in 
 
 
 def fresh(microbatches=1, loss_overrides=None):
-    model, loss_cfg, optim = step_check.build()
-    if loss_overrides:
-        loss_cfg = losses.loss_config(**{**loss_cfg.to_dict(), **loss_overrides})
+    model, loss_cfg, optim = step_check.build(**(loss_overrides or {}))
     optimizer = step_lib.make_optimizer(optim)
     graphdef, state = step_lib.init_train_state(model, optimizer, seed=0)
     train_step = step_lib.make_train_step(graphdef, loss_cfg, optimizer, microbatches=microbatches,
