@@ -119,7 +119,7 @@ class Plan:
 
 @dataclasses.dataclass(frozen=True)
 class Job:
-    """A training job: its name (the progress bar's label), config check, tasks and plan.
+    """A training job: its name, config check, tasks and plan.
 
     validate(cfg, num_devices, budget): raise `ConfigError` naming the field for a config the
       job cannot run (called before anything is built).
@@ -128,6 +128,7 @@ class Job:
       demonstrations of the SFT warm start (the `rlcode.train.sft` demos protocol; None: no warm
       start).
     plan(ctx, data) -> `Plan`.
+    label(cfg) -> the progress bar's label (default: the name).
     """
 
     name: str
@@ -135,6 +136,7 @@ class Job:
     pool_timeout: Callable[[Any], float]
     setup: Callable[[Context], tuple[Any, Any]]
     plan: Callable[[Context, Any], Plan]
+    label: Callable[[Any], str] | None = None
 
 
 @dataclasses.dataclass
@@ -483,7 +485,8 @@ def train(cfg: Any, job: Job, *, pool: Any = None, log: Callable[[str], None] | 
             sampler = AsyncSampler(plan.collect, store, sched.max_staleness, start=start)
             resources.callback(sampler.close)
         mb_rng = np.random.default_rng([cfg.seed, 7, start])
-        progress = Progress(sched.steps, desc=job.name + (" async" if sched.async_mode else ""), start=start)
+        label = job.label(cfg) if job.label is not None else job.name
+        progress = Progress(sched.steps, desc=label + (" async" if sched.async_mode else ""), start=start)
         budget = 60 * sched.max_minutes if sched.max_minutes else None
         step, last_saved, stopped, dropped_stale, rl_seconds = start, (start or None), None, 0, 0.0
         with StopFlag() as stop:

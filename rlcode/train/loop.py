@@ -347,7 +347,7 @@ def plan(ctx: Context, tasks: tuple) -> Plan:
 
 
 JOB = Job(name="synth", validate=validate_config, pool_timeout=lambda cfg: cfg.reward.timeout, setup=setup,
-          plan=plan)
+          plan=plan, label=lambda cfg: str(cfg.objective))
 
 
 def run(cfg: Any, *, pool: Any = None, log: Callable[[str], None] | None = None,
