@@ -11,10 +11,9 @@ replicated (e.g. 2 kv heads on a tensor axis of 4), never padded silently.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
+import dataclasses
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -90,34 +89,38 @@ def logical_to_spec(
     return PartitionSpec(*spec)
 
 
-_CONTEXT: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar("rlcode_sharding", default=None)
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where a model's activations live: a mesh and the rules that map logical axes onto it.
+
+    A model gets one with `place` (done by `rlcode.train.step.init_train_state`); it is a static
+    attribute of the modules that pin activations, so it is part of the model's graph definition
+    and every function built from that graphdef (the train step, the log-prob function, the
+    sampler) traces the same shardings and the same expert-parallel collectives.
+    """
+
+    mesh: Mesh
+    rules: Rules
 
 
-@contextlib.contextmanager
-def use_mesh(mesh: Mesh, rules: Rules) -> Iterator[None]:
-    """Within this context (while tracing), `constrain` pins activations to the mesh."""
-    token = _CONTEXT.set((mesh, rules))
-    try:
-        yield
-    finally:
-        _CONTEXT.reset(token)
+def place(model: Any, mesh: Mesh | None, rules: Rules = DEFAULT_RULES) -> Any:
+    """Give every module of `model` that pins activations (`placement` attribute) this mesh and
+    these rules (None: no mesh, no constraints); returns the model."""
+    placement = None if mesh is None else Placement(mesh, tuple(rules))
+    for _, module in model.iter_modules():
+        if hasattr(module, "placement"):
+            module.placement = placement
+    return model
 
 
-def active_mesh() -> tuple[Mesh, Rules] | None:
-    """The (mesh, rules) of the enclosing `use_mesh`, or None outside one (layers that write
-    their collectives by hand with `shard_map` read the mesh from here)."""
-    return _CONTEXT.get()
-
-
-def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
-    """`with_sharding_constraint` by logical names inside `use_mesh`; the identity outside it."""
-    ctx = _CONTEXT.get()
-    if ctx is None:
+def constrain(x: jax.Array, axes: Sequence[str | None], placement: Placement | None) -> jax.Array:
+    """`with_sharding_constraint` by logical names on `placement`'s mesh; the identity without one."""
+    if placement is None:
         return x
-    mesh, rules = ctx
     if len(axes) != x.ndim:
         raise ValueError(f"logical axes {axes} do not match an array of rank {x.ndim}")
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(axes, rules, x.shape, mesh)))
+    spec = logical_to_spec(axes, placement.rules, x.shape, placement.mesh)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(placement.mesh, spec))
 
 
 def named_shardings(logical_axes: Any, shapes: Any, mesh: Mesh, rules: Rules) -> Any:

@@ -88,6 +88,7 @@ class QKVProjection(nnx.Module):
     """Grouped-query projections with optional QK-norm (RMSNorm over the head dim) and RoPE."""
 
     def __init__(self, cfg: Any, *, rngs: nnx.Rngs):
+        self.placement = None  # where activations are pinned: set by rlcode.sharding.place
         D, N, K, H = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         if N % K:
             raise ValueError(f"num_heads={N} must be a multiple of num_kv_heads={K}")
@@ -111,9 +112,9 @@ class QKVProjection(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, positions_bt, self.cfg.rope_theta)
         k = apply_rope(k, positions_bt, self.cfg.rope_theta)
-        q = constrain(q, ("batch", "seq", "heads", "head_dim"))
-        k = constrain(k, ("batch", "seq", "kv_heads", "head_dim"))
-        v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
+        q = constrain(q, ("batch", "seq", "heads", "head_dim"), self.placement)
+        k = constrain(k, ("batch", "seq", "kv_heads", "head_dim"), self.placement)
+        v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"), self.placement)
         return q, k, v
 
     def out(self, o_btnh: jax.Array) -> jax.Array:
@@ -147,6 +148,7 @@ class DenseAttention(nnx.Module):
     """Causal grouped-query attention through `jax.nn.dot_product_attention`."""
 
     def __init__(self, cfg: Any, *, rngs: nnx.Rngs):
+        self.placement = None  # where activations are pinned: set by rlcode.sharding.place
         self.cfg = cfg
         self.proj = QKVProjection(cfg, rngs=rngs)
 
@@ -165,7 +167,7 @@ class DenseAttention(nnx.Module):
         else:
             lengths = None if mask.kv_lengths is None else jnp.maximum(mask.kv_lengths.astype(jnp.int32), 1)
             o = jax.nn.dot_product_attention(q, k, v, is_causal=True, key_value_seq_lengths=lengths)
-        o = constrain(o, ("batch", "seq", "heads", "head_dim"))
+        o = constrain(o, ("batch", "seq", "heads", "head_dim"), self.placement)
         return self.proj.out(o), KVCache(k, v)
 
     def attend_context(
@@ -243,7 +245,7 @@ class SquidAttention(DenseAttention):
         if mask.kv_lengths is not None:
             seg = jnp.where(jnp.arange(T)[None, :] < mask.kv_lengths[:, None], seg, -1)
         o = squid_kernels.squid_attention(q, k, v, seg, glob, impl=_options(self.cfg, "squid")["impl"])
-        o = constrain(o, ("batch", "seq", "heads", "head_dim"))
+        o = constrain(o, ("batch", "seq", "heads", "head_dim"), self.placement)
         return self.proj.out(o), KVCache(k, v)
 
 
@@ -350,6 +352,7 @@ class NSAAttention(nnx.Module):
     """
 
     def __init__(self, cfg: Any, *, rngs: nnx.Rngs):
+        self.placement = None  # where activations are pinned: set by rlcode.sharding.place
         a = _options(cfg, "nsa")
         D, N, K, H = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         pd = cfg.param_dtype
@@ -412,7 +415,7 @@ class NSAAttention(nnx.Module):
         o = nsa_kernels.nsa_attention(
             q, kk, vv, cmp.k, cmp.v, self._gates(x_btd), **self.sizes._asdict(), impl=self.impl
         )
-        o = constrain(o, ("batch", "seq", "heads", "head_dim"))
+        o = constrain(o, ("batch", "seq", "heads", "head_dim"), self.placement)
         return self.proj.out(o), NSACache(KVCache(k, v), win, raw, cmp)
 
     def init_suffix_cache(self, batch: int, max_len: int) -> NSACache:

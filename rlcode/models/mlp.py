@@ -28,6 +28,7 @@ class SwiGLU(nnx.Module):
     """y = W_down (silu(x W_gate) * (x W_up)) (Shazeer 2020, arXiv 2002.05202)."""
 
     def __init__(self, cfg: Any, *, rngs: nnx.Rngs):
+        self.placement = None  # where activations are pinned: set by rlcode.sharding.place
         D, F, pd = cfg.d_model, cfg.ffw_dim, cfg.param_dtype
         self.dtype = cfg.dtype
         self.w_gate = make_param(rngs, fan_in_init((0,)), (D, F), ("embed", "mlp"), pd)
@@ -39,5 +40,5 @@ class SwiGLU(nnx.Module):
         x = x_btd.astype(dt)
         gate = jnp.einsum("btd,df->btf", x, self.w_gate[...].astype(dt))
         up = jnp.einsum("btd,df->btf", x, self.w_up[...].astype(dt))
-        h = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
+        h = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"), self.placement)
         return jnp.einsum("btf,fd->btd", h, self.w_down[...].astype(dt)), {}

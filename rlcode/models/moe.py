@@ -55,7 +55,7 @@ Precision (`precision`): "bf16" runs the expert GEMMs in model.dtype with float3
 of `kernels.moe_gemm` (REFERENCE section 9). The router is float32 either way. `impl` chooses the
 grouped-GEMM face ("auto" | "xla" | "triton").
 
-Expert parallelism: under `rlcode.sharding.use_mesh` with a mesh whose "expert" axis has size
+Expert parallelism: on a model placed (`rlcode.sharding.place`) on a mesh whose "expert" axis has size
 n_ep > 1, the routed part runs in `jax.shard_map`. Tokens are split over the batch mesh axes and
 the expert axis (N padded to a multiple of the shard count; padding is masked out of routing,
 capacity and statistics); expert weights are split over "expert" (E_loc = E / n_ep experts per
@@ -83,7 +83,6 @@ from jax.sharding import PartitionSpec as P
 
 from kernels.moe_gemm import grouped_matmul
 from rlcode.models.layers import fan_in_init, make_param
-from rlcode.sharding import active_mesh
 
 MOE_OPTIONS: dict[str, Any] = {
     "num_experts": 8,
@@ -322,6 +321,7 @@ class MoE(nnx.Module):
     """
 
     def __init__(self, cfg: Any, *, rngs: nnx.Rngs):
+        self.placement = None  # where activations are pinned: set by rlcode.sharding.place
         self.opts = MoEOptions.from_config(cfg.mlp)
         o = self.opts
         D, E, F, pd = cfg.d_model, o.num_experts, o.expert_ffw_dim, cfg.param_dtype
@@ -351,9 +351,9 @@ class MoE(nnx.Module):
             raise ValueError(f"MoE input must be [B, T, D], got shape {x_btd.shape}")
         B, T, D = x_btd.shape
         x_nd = x_btd.astype(self.dtype).reshape(B * T, D)
-        ctx = active_mesh()
-        if ctx is not None and ctx[0].shape.get("expert", 1) > 1:
-            y_nd, aux = self._expert_parallel(x_nd, *ctx)
+        p = self.placement
+        if p is not None and p.mesh.shape.get("expert", 1) > 1:
+            y_nd, aux = self._expert_parallel(x_nd, p.mesh, p.rules)
         else:
             y_nd, aux = self._local(x_nd)
         if self.opts.num_shared_experts:

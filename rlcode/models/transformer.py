@@ -113,6 +113,7 @@ class Block(nnx.Module):
     """Pre-norm residual block: attention then MLP."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.placement = None  # where activations are pinned: set by rlcode.sharding.place
         kw = dict(eps=cfg.norm_eps, axis_name="embed", param_dtype=cfg.param_dtype, rngs=rngs)
         self.attn_norm = RMSNorm(cfg.d_model, **kw)
         self.attn = make_attention(cfg, rngs=rngs)
@@ -133,9 +134,9 @@ class Block(nnx.Module):
         return self._mlp(x, y) + (kv,)
 
     def _mlp(self, x, y):
-        x = constrain(x + y, ("batch", "seq", "embed"))
+        x = constrain(x + y, ("batch", "seq", "embed"), self.placement)
         y, aux = self.mlp(self.mlp_norm(x))
-        return constrain(x + y, ("batch", "seq", "embed")), aux
+        return constrain(x + y, ("batch", "seq", "embed"), self.placement), aux
 
     def decode(self, x_bd, positions_b, prefix, prefix_lengths, suffix, step):
         y, suffix = self.attn.decode(self.attn_norm(x_bd), positions_b, prefix, prefix_lengths, suffix, step)
@@ -148,6 +149,7 @@ class Transformer(nnx.Module):
     """The policy (and optional value) network."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.placement = None  # where activations are pinned: set by rlcode.sharding.place
         self.cfg = cfg
         V, D, pd = cfg.vocab_size, cfg.d_model, cfg.param_dtype
         self.embed = make_param(rngs, nnx.initializers.normal(D**-0.5), (V, D), ("vocab", "embed"), pd)
@@ -179,7 +181,7 @@ class Transformer(nnx.Module):
     def _embed(self, tokens):
         # Gather rows from a table whose model dimension is whole on every device (an all-gather
         # over fsdp), so the lookup needs no cross-device gather of token-indexed rows.
-        table = constrain(self.embed[...], (None, None))
+        table = constrain(self.embed[...], (None, None), self.placement)
         return jnp.take(table, tokens, axis=0).astype(self.cfg.dtype)
 
     def _value(self, hidden):
@@ -199,7 +201,7 @@ class Transformer(nnx.Module):
             raise ValueError(f"tokens must be [B,T], got shape {tokens_bt.shape}")
         if positions_bt is None:
             positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
-        x = constrain(self._embed(tokens_bt), ("batch", "seq", "embed"))
+        x = constrain(self._embed(tokens_bt), ("batch", "seq", "embed"), self.placement)
         return self._run_blocks(x, lambda block, x: block(x, positions_bt, mask), return_kv)
 
     def forward_with_context(
@@ -219,7 +221,7 @@ class Transformer(nnx.Module):
         """
         if len(context) != self.num_layers:
             raise ValueError(f"context has {len(context)} layers, the model {self.num_layers}")
-        x = constrain(self._embed(tokens_bt), ("batch", "seq", "embed"))
+        x = constrain(self._embed(tokens_bt), ("batch", "seq", "embed"), self.placement)
         layers = iter(context)
         return self._run_blocks(x, lambda block, x: block.with_context(x, positions_bt, next(layers), context_valid), return_kv)
 

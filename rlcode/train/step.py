@@ -31,7 +31,7 @@ from rlcode.models.moe import rebalance_routers
 from rlcode.models.attention import AttentionMask
 from rlcode.models.logprobs import token_logprobs
 from rlcode.models.transformer import logical_axes
-from rlcode.sharding import DEFAULT_RULES, Rules, named_shardings, put, use_mesh
+from rlcode.sharding import DEFAULT_RULES, Rules, named_shardings, place, put
 
 BATCH_KEYS = ("inputs", "targets", "positions", "mask", "kv_lengths", "advantages", "old_logp")
 OPTIONAL_BATCH_KEYS = ("behavior_logp", "ref_logp", "old_values", "returns", "segment_ids", "is_global")
@@ -106,8 +106,12 @@ def init_train_state(
     mesh: Mesh | None = None,
     rules: Rules = DEFAULT_RULES,
 ) -> tuple[nnx.GraphDef, TrainState]:
-    """Split the model and build the train state, its parameters sharded by their logical axes."""
-    graphdef, state = nnx.split(model)
+    """Split the model and build the train state, its parameters sharded by their logical axes.
+
+    The model is placed on the mesh first (`rlcode.sharding.place`), so the graphdef carries the
+    mesh: every function built from it (train step, log-probs, sampler) pins activations and
+    routes experts the same way."""
+    graphdef, state = nnx.split(place(model, mesh, rules))
     params = nnx.to_pure_dict(state)
     if mesh is not None:
         params = put(params, named_shardings(logical_axes(model), params, mesh, rules))
@@ -236,8 +240,6 @@ def make_train_step(
     def sharded_step(state, batch):
         # A batch computed on the mesh by another jitted function (old log-probs, advantages) is
         # committed to that function's output sharding; jit does not reshard committed inputs.
-        batch = jax.device_put(batch, data)
-        with use_mesh(mesh, rules):
-            return jitted(state, batch)
+        return jitted(state, jax.device_put(batch, data))
 
     return sharded_step
