@@ -33,7 +33,7 @@ from rlcode.models.moe import moe_config
 from rlcode.models.transformer import model_config
 from rlcode.recipes import RECIPES, recipe
 from rlcode.sharding import mesh_config
-from rlcode.train.rollout import reward_config
+from rlcode.envs.rewards import synth_reward_config
 from rlcode.train.sft import sft_config
 from rlcode.train.step import optim_config
 
@@ -76,7 +76,7 @@ def get_config(arg=None):
     cfg.sandbox = ml_collections.ConfigDict({"workers": 2})
     # Partial credit (fraction of held-out tests passed): a dense signal for a weak policy; pass@1
     # (all tests) is reported separately.
-    cfg.reward = reward_config(tests="pass_fraction")
+    cfg.reward = synth_reward_config(tests="pass_fraction")
 
     name = choices["loss"]
     if name not in RECIPES:

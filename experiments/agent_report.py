@@ -36,7 +36,8 @@ from flax import nnx
 
 from rlcode.models.transformer import init_model
 from rlcode.tokenizer import ByteTokenizer
-from rlcode.envs import harness, repo_tasks
+from rlcode.envs import harness
+from rlcode.envs.tasks import repo as repo_tasks
 from rlcode.sandbox import fstree
 from rlcode.session_sampling import PREFILL_MODES, replay_prefill, turns_from_segments
 from rlcode.train.agent import build_tasks

@@ -72,10 +72,16 @@ def _git(*args: str) -> str:
     return subprocess.run(["git", "-C", ROOT, *args], check=True, capture_output=True, text=True).stdout
 
 
+# Modules this tree has moved: old name -> new name.
+MOVED_MODULES = {"rlcode.envs.repo_tasks": "rlcode.envs.tasks.repo"}
+
+
 def load_module_at(rev: str, path: str, name: str):
     """The module `path` of revision `rev`, imported under `name` (its own imports resolve to this
     tree's packages)."""
     source = _git("show", f"{rev}:{path}")
+    for old_name, new_name in MOVED_MODULES.items():  # an older revision imports them by their old names
+        sys.modules.setdefault(old_name, importlib.import_module(new_name))
     spec = importlib.util.spec_from_loader(name, loader=None, origin=f"{rev[:12]}:{path}")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look their module up while the class is made
@@ -106,7 +112,7 @@ def compare_graders(args: argparse.Namespace, log=print) -> dict[str, Any]:
     inprocess = ex_info["kind"] == "sandbox_pool"
     try:
         from rlcode.envs import grading, hacks, rewards  # noqa: PLC0415
-        from rlcode.envs import repo_tasks as rt  # noqa: PLC0415
+        from rlcode.envs.tasks import repo as rt  # noqa: PLC0415
         from rlcode.envs.tasks import synth  # noqa: PLC0415
         from rlcode.sandbox import fstree  # noqa: PLC0415
 

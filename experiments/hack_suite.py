@@ -65,7 +65,7 @@ import argparse
 
 from experiments.cli import output_paths
 from rlcode.envs import grading, hacks
-from rlcode.envs import repo_tasks as rt
+from rlcode.envs.tasks import repo as rt
 from rlcode.sandbox import fstree
 
 NAME = "hack_suite"

@@ -11,12 +11,11 @@ Shapes: N rewards ordered group by group (N = num_groups * G), B sequences, T to
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from rlcode.checks import check_finite, check_values, expect_type, one_of, real, section_fields, text
+from rlcode.checks import TypedSection, check_finite, expect_type, one_of, real, text
 
 NORMALIZE_MODES = ("std", "none", "rloo", "batch")
 ESTIMATORS = ("group", "gae")
@@ -27,7 +26,7 @@ ADVANTAGE_SPECS = {"estimator": text(ESTIMATORS), "normalize": text(NORMALIZE_MO
 
 
 @dataclasses.dataclass(frozen=True)
-class AdvantageConfig:
+class AdvantageConfig(TypedSection):
     """The `advantage` section, validated and frozen (hashable): what `compute_advantages` reads.
 
     estimator: "group" (`group_advantages` over the G samples of a prompt) or "gae" (`gae`,
@@ -35,22 +34,14 @@ class AdvantageConfig:
     std (`group_advantages`). gamma, lam: discount and GAE lambda, each in [0, 1].
     """
 
+    SPECS = ADVANTAGE_SPECS
+    SECTION = "advantage"
+
     estimator: str = "group"
     normalize: str = "std"
     eps: float = 1e-6
     gamma: float = 1.0
     lam: float = 0.95
-
-    def __post_init__(self):
-        check_values(self, ADVANTAGE_SPECS, "advantage")
-
-    @classmethod
-    def from_config(cls, config: Any) -> AdvantageConfig:
-        """An AdvantageConfig from an `advantage` section (ConfigDict or mapping) or an instance;
-        an unknown field is a ConfigError naming the closest known ones."""
-        if isinstance(config, cls):
-            return config
-        return cls(**section_fields(config, tuple(ADVANTAGE_SPECS), "advantage"))
 
 
 def _compute_dtype(x: jax.Array) -> jnp.dtype:

@@ -321,6 +321,44 @@ def check_values(obj: Any, specs: Mapping[str, Spec], section: str) -> None:
             raise ConfigError(f"{section}.{name}={value!r}: {why}")
 
 
+class TypedSection:
+    """Base of the frozen dataclass a config section becomes where it enters the library.
+
+    A subclass is a ``@dataclasses.dataclass(frozen=True)`` that sets `SPECS` (field -> `Spec`,
+    the valid values) and `SECTION` (the section's name in a job's config). Making one checks every
+    field (`check_values`; a list becomes a tuple, so the instance can be a static argument of
+    `jax.jit`), and `from_config` reads a section (a ConfigDict or mapping; an unknown field is a
+    ConfigError naming the closest known ones, a missing one takes its default) or passes an
+    instance through.
+    """
+
+    SPECS: Mapping[str, Spec] = {}
+    SECTION = ""
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if isinstance(value, list):
+                object.__setattr__(self, name, tuple(value))
+        check_values(self, self.SPECS, self.SECTION)
+
+    @classmethod
+    def from_config(cls, config: Any) -> Any:
+        if isinstance(config, cls):
+            return config
+        return cls(**section_fields(config, tuple(cls.SPECS), cls.SECTION))
+
+    @classmethod
+    def default_section(cls, **overrides: Any) -> Any:
+        """The section as a job's config holds it (a ConfigDict): the defaults with `overrides`
+        (an unknown field or an invalid value is an error naming it)."""
+        import ml_collections  # noqa: PLC0415 (configs are ConfigDicts; the checks need not be)
+
+        cfg = ml_collections.ConfigDict({f.name: f.default for f in dataclasses.fields(cls)})
+        apply_overrides(cfg, overrides, cls.SECTION)
+        cls.from_config(cfg)
+        return cfg
+
+
 def expect_type(value: Any, cls: type, what: str) -> Any:
     """`value` if it is a `cls`, else a TypeError saying how to build one from a config section
     (library functions take typed sections, not ConfigDicts or dicts)."""

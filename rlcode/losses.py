@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import ml_collections
 from ml_collections import config_dict
 
-from rlcode.checks import (ConfigError, apply_overrides, check_values, expect_type, integer, one_of, real,
+from rlcode.checks import (ConfigError, TypedSection, apply_overrides, check_values, expect_type, integer, one_of, real,
                            section_fields, text)
 
 POLICY_KINDS = ("ppo", "gspo", "gspo_token", "cispo", "reinforce")
@@ -58,7 +58,7 @@ OBJECTIVE_SPECS = {
 
 
 @dataclasses.dataclass(frozen=True)
-class PolicyLossConfig:
+class PolicyLossConfig(TypedSection):
     """The policy-loss fields of the `loss` section, validated and frozen (hashable: it can be a
     static argument of `jax.jit`). Build it from a section with `from_config`; constructing it
     directly validates as well.
@@ -71,6 +71,9 @@ class PolicyLossConfig:
       `behavior_logp`; is_level: token | sequence | geometric; is_cap: the TIS cap C;
       is_low, is_high: the MIS acceptance interval.
     """
+
+    SPECS = POLICY_SPECS
+    SECTION = "loss"
 
     kind: str = "ppo"
     clip_low: float = 0.2
@@ -85,7 +88,7 @@ class PolicyLossConfig:
     is_high: float = 2.0
 
     def __post_init__(self):
-        check_values(self, POLICY_SPECS, "loss")
+        super().__post_init__()
         if self.agg == "seq-mean-token-sum-norm" and self.norm_length is None:
             raise ConfigError(
                 "loss.agg='seq-mean-token-sum-norm' needs loss.norm_length > 0 (e.g. the maximum "
@@ -93,14 +96,6 @@ class PolicyLossConfig:
             )
         if self.is_low > self.is_high:
             raise ConfigError(f"loss.is_low={self.is_low} must be <= loss.is_high={self.is_high}")
-
-    @classmethod
-    def from_config(cls, config: Any) -> PolicyLossConfig:
-        """A PolicyLossConfig from a ConfigDict or mapping holding only policy-loss fields (the
-        whole `loss` section goes through `ObjectiveConfig.from_config`), or an instance."""
-        if isinstance(config, cls):
-            return config
-        return cls(**section_fields(config, tuple(POLICY_SPECS), "loss"))
 
 
 @dataclasses.dataclass(frozen=True)

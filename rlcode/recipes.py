@@ -19,12 +19,11 @@ section becomes a frozen, validated dataclass: `rlcode.advantages.AdvantageConfi
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import ml_collections
 
 from rlcode.advantages import AdvantageConfig
-from rlcode.checks import apply_overrides, check_values, flag, integer, one_of, section_fields
+from rlcode.checks import TypedSection, flag, integer, one_of
 from rlcode.losses import loss_config
 
 RECIPES = ("grpo", "dr_grpo", "dapo", "gspo", "cispo", "ppo")
@@ -41,7 +40,7 @@ CITATIONS = {
 
 
 @dataclasses.dataclass(frozen=True)
-class ShapingConfig:
+class ShapingConfig(TypedSection):
     """The `shaping` section, validated and frozen (hashable).
 
     dynamic_sampling: keep only groups whose valid rewards are not all equal, drawing new
@@ -50,36 +49,22 @@ class ShapingConfig:
     (`rlcode.advantages.overlong_penalty`); 0 = off.
     """
 
+    SPECS = SHAPING_SPECS
+    SECTION = "shaping"
+
     dynamic_sampling: bool = False
     overlong_cache_length: int = 0
-
-    def __post_init__(self):
-        check_values(self, SHAPING_SPECS, "shaping")
-
-    @classmethod
-    def from_config(cls, config: Any) -> ShapingConfig:
-        """A ShapingConfig from a `shaping` section (ConfigDict or mapping) or an instance; an
-        unknown field is a ConfigError naming the closest known ones."""
-        if isinstance(config, cls):
-            return config
-        return cls(**section_fields(config, tuple(SHAPING_SPECS), "shaping"))
 
 
 def advantage_config(**overrides) -> ml_collections.ConfigDict:
     """Default `advantage` section: GRPO group normalisation (the `AdvantageConfig` defaults);
     an unknown or invalid field is an error naming it."""
-    cfg = ml_collections.ConfigDict({f.name: f.default for f in dataclasses.fields(AdvantageConfig)})
-    apply_overrides(cfg, overrides, "advantage")
-    AdvantageConfig.from_config(cfg)
-    return cfg
+    return AdvantageConfig.default_section(**overrides)
 
 
 def shaping_config(**overrides) -> ml_collections.ConfigDict:
     """Default `shaping` section (the `ShapingConfig` defaults: both off)."""
-    cfg = ml_collections.ConfigDict({f.name: f.default for f in dataclasses.fields(ShapingConfig)})
-    apply_overrides(cfg, overrides, "shaping")
-    ShapingConfig.from_config(cfg)
-    return cfg
+    return ShapingConfig.default_section(**overrides)
 
 
 def recipe(name: str, max_new_tokens: int) -> ml_collections.ConfigDict:

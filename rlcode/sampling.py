@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rlcode.checks import check_values, integer, real, section_fields, sequence
+from rlcode.checks import TypedSection, integer, real, sequence
 from rlcode.models.attention import AttentionMask, KVCache
 from rlcode.models.layers import apply_rope
 from rlcode.models.logprobs import process_logits
@@ -42,7 +42,7 @@ SAMPLING_SPECS = {
 
 
 @dataclasses.dataclass(frozen=True)
-class SamplingConfig:
+class SamplingConfig(TypedSection):
     """The sampler's options, validated and frozen (a static argument of the jitted sampler).
 
     temperature > 0 (no greedy special case: use top_k=1); top_k None/0 = off; top_p None/1.0 =
@@ -50,26 +50,15 @@ class SamplingConfig:
     fills tokens after the end. A job's `sampling` section becomes one through `from_config`.
     """
 
+    SPECS = SAMPLING_SPECS
+    SECTION = "sampling"
+
     max_new_tokens: int = 64
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float | None = None
     stop_ids: tuple[int, ...] = ()
     pad_id: int = 0
-
-    def __post_init__(self):
-        if isinstance(self.stop_ids, list):
-            object.__setattr__(self, "stop_ids", tuple(self.stop_ids))
-        check_values(self, SAMPLING_SPECS, "sampling")
-
-    @classmethod
-    def from_config(cls, config: Any) -> SamplingConfig:
-        """A SamplingConfig from a `sampling` section (ConfigDict or mapping with some of these
-        fields; the others take their defaults) or an instance. An unknown field is a
-        ConfigError naming the closest known ones."""
-        if isinstance(config, cls):
-            return config
-        return cls(**section_fields(config, tuple(SAMPLING_SPECS), "sampling"))
 
 
 class SampleOutput(NamedTuple):

@@ -127,7 +127,7 @@ expressed as data checks is graded by the runner with exactly these limits.
 
 The held-out tests are also only as strong as their assertions: ``assert f(x) == 5`` alone is
 passed by an object whose ``__eq__`` always returns True. The generated tasks therefore check the
-exact type before the value (``same(result, expected)`` in `rlcode.envs.repo_tasks`), and
+exact type before the value (``same(result, expected)`` in `rlcode.envs.tasks.repo`), and
 tests/rlcode/envs/test_grading.py checks that always-equal objects score 0 in every family.
 """
 
@@ -143,7 +143,8 @@ import tempfile
 from collections.abc import Mapping
 from typing import Any
 
-from rlcode.envs import pytest_runner, repo_tasks, tools, verdict
+from rlcode.envs import pytest_runner, tools, verdict
+from rlcode.envs.tasks import repo as repo_tasks
 from rlcode.sandbox import fstree
 
 STATUSES = ("ok", "timeout", "crash", "infra")

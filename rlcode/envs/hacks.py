@@ -1,5 +1,5 @@
 """The reward hacks of the threat model (docs/threat_model.md) as data: a catalogue of ways to
-fake success on a generated repository task (`rlcode.envs.repo_tasks`), each written into an
+fake success on a generated repository task (`rlcode.envs.tasks.repo`), each written into an
 agent's copy, and of attacks on the verdict of a function-level task (`VERDICT_ATTACKS`).
 
 A `Hack` has a name, the category it belongs to (`CATEGORIES`), a short description and a
@@ -37,7 +37,7 @@ import textwrap
 from collections.abc import Callable, Mapping, Sequence
 
 from rlcode.envs import grading
-from rlcode.envs import repo_tasks as rt
+from rlcode.envs.tasks import repo as rt
 
 # The threat model's categories ("fake success (other)": not spelled out in its list, but a
 # way to fake success all the same).

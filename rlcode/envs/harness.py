@@ -46,7 +46,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from rlcode import tokenizer as tk
-from rlcode.envs import repo_tasks, tools
+from rlcode.envs import tools
+from rlcode.envs.tasks import repo as repo_tasks
 from rlcode.sandbox import fstree
 
 SYSTEM_PROMPT = """\

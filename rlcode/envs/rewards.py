@@ -1,4 +1,6 @@
-"""The scalar reward of one repository-task episode, composed of separately logged terms.
+"""Rewards, composed of separately logged terms: of a repository-task episode (the agent job,
+`compute_reward`) and of graded program-synthesis completions (the synthesis job,
+`synth_rewards`, at the end of this module).
 
 ``compute_reward(grade, trajectory, task, config) -> (reward, terms, flags, valid)``, with
 ``reward == sum(terms.values())`` (up to rounding in ``"zero_reward"`` mode, whose reward is
@@ -45,9 +47,12 @@ import dataclasses
 import math
 from typing import Any
 
+import jax.numpy as jnp
 import ml_collections
+import numpy as np
 
-from rlcode.checks import apply_overrides, check_values, expect_type, integer, real, section_fields, sequence, text
+from rlcode import advantages as adv_lib
+from rlcode.checks import TypedSection, expect_type, integer, real, sequence, text
 from rlcode.envs import grading
 
 TEST_REWARDS = ("pass_fraction", "all_pass")
@@ -67,7 +72,7 @@ REWARD_SPECS = {
 
 
 @dataclasses.dataclass(frozen=True)
-class RewardConfig:
+class RewardConfig(TypedSection):
     """The agent job's `reward` section, validated and frozen (hashable): what `compute_reward`
     reads. Build it from a section with `from_config`; constructing it directly validates too.
 
@@ -79,6 +84,9 @@ class RewardConfig:
     hack_flags: grade flags that count as a hack. hack_mode: "zero_tests" | "zero_reward" |
       "none". hack_penalty: extra penalty of a hack in "zero_tests" mode.
     """
+
+    SPECS = REWARD_SPECS
+    SECTION = "reward"
 
     test_reward: str = "all_pass"
     length_weight: float = 0.1
@@ -92,27 +100,10 @@ class RewardConfig:
     hack_mode: str = "zero_tests"
     hack_penalty: float = 0.0
 
-    def __post_init__(self):
-        if isinstance(self.hack_flags, list):
-            object.__setattr__(self, "hack_flags", tuple(self.hack_flags))
-        check_values(self, REWARD_SPECS, "reward")
-
-    @classmethod
-    def from_config(cls, config: Any) -> RewardConfig:
-        """A RewardConfig from a `reward` section (ConfigDict or mapping) or an instance; an
-        unknown field is a ConfigError naming the closest known ones, a missing one takes its
-        default."""
-        if isinstance(config, cls):
-            return config
-        return cls(**section_fields(config, tuple(REWARD_SPECS), "reward"))
-
 
 def reward_config(**overrides: Any) -> ml_collections.ConfigDict:
     """Default ``reward`` section of an experiment config (the `RewardConfig` fields)."""
-    cfg = ml_collections.ConfigDict({f.name: f.default for f in dataclasses.fields(RewardConfig)})
-    apply_overrides(cfg, overrides, "reward")
-    RewardConfig.from_config(cfg)
-    return cfg
+    return RewardConfig.default_section(**overrides)
 
 
 def _reward_config(config: RewardConfig | None) -> RewardConfig:
@@ -179,3 +170,62 @@ def compute_reward(grade: grading.GradeResult, trajectory: Any, task: Any,
         terms["hack"] = -sum(v for k, v in terms.items() if k != "hack")
     reward = 0.0 if hacked and cfg.hack_mode == "zero_reward" else sum(terms.values())
     return float(reward), terms, flags, True
+
+
+# --------------------------------------------------------------------------------------------
+# Program synthesis (the synthesis job's rewards)
+# --------------------------------------------------------------------------------------------
+
+SYNTH_TEST_REWARDS = ("all_pass", "pass_fraction")
+SYNTH_TERMS = ("tests", "overlong", "truncated")
+SYNTH_REWARD_SPECS = {"tests": text(SYNTH_TEST_REWARDS), "truncation_penalty": real(0),
+                      "timeout": real(0, low_open=True)}
+
+
+@dataclasses.dataclass(frozen=True)
+class SynthRewardConfig(TypedSection):
+    """The synthesis job's `reward` section, validated and frozen (`synth_rewards`).
+
+    tests: "all_pass" | "pass_fraction". truncation_penalty: subtracted from a row that hit
+    max_new_tokens without its stop token. timeout: seconds one graded execution may run.
+    """
+
+    SPECS = SYNTH_REWARD_SPECS
+    SECTION = "reward"
+
+    tests: str = "all_pass"
+    truncation_penalty: float = 0.0
+    timeout: float = 5.0
+
+
+def synth_reward_config(**overrides: Any) -> ml_collections.ConfigDict:
+    """The synthesis job's `reward` config section: the `SynthRewardConfig` defaults."""
+    return SynthRewardConfig.default_section(**overrides)
+
+
+def synth_rewards(pass_fraction: np.ndarray, valid: np.ndarray, truncated: np.ndarray, lengths: np.ndarray,
+                  max_new_tokens: int, config: SynthRewardConfig,
+                  overlong_cache_length: int = 0) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """(rewards [B], terms {name: [B]}) of B graded completions, ``rewards == sum(terms)``:
+
+    * ``tests``: 1 if every held-out check passed (``tests="all_pass"``) or the fraction passed
+      (``"pass_fraction"``);
+    * ``overlong``: DAPO's soft overlong punishment when ``overlong_cache_length > 0``
+      (docs/reference.md §3; `rlcode.advantages.overlong_penalty`);
+    * ``truncated``: ``-truncation_penalty`` for a row that hit ``max_new_tokens`` without its
+      stop token (its body is cut, so it usually fails anyway; the term makes the reason visible).
+
+    A row that is not `valid` (an infrastructure failure) gets 0 in every term: it is masked,
+    never scored as a failure of the policy.
+    """
+    expect_type(config, SynthRewardConfig, "reward")
+    frac = np.asarray(pass_fraction, np.float32)
+    tests = (frac >= 1.0).astype(np.float32) if config.tests == "all_pass" else frac
+    terms = {"tests": tests, "truncated": -config.truncation_penalty * np.asarray(truncated, np.float32)}
+    if overlong_cache_length:
+        terms["overlong"] = np.asarray(adv_lib.overlong_penalty(jnp.asarray(lengths), max_new_tokens,
+                                                                overlong_cache_length), np.float32)
+    else:
+        terms["overlong"] = np.zeros_like(tests)
+    terms = {k: np.where(valid, v, 0.0).astype(np.float32) for k, v in terms.items()}
+    return sum(terms.values()).astype(np.float32), terms

@@ -1,7 +1,7 @@
 """The agent's tools, confined to one rollout's working copy, and their registry.
 
 Tools act on a `Workspace`: the root directory of one rollout's private copy (see
-`rlcode.envs.repo_tasks.materialize`) plus the `Executor` that runs commands in it.
+`rlcode.envs.tasks.repo.materialize`) plus the `Executor` that runs commands in it.
 
 * File tools (``read_file``, ``write_file``, ``edit_file``, ``list_dir``) run in this process.
   A path is relative to the root; it is resolved with every symlink followed

@@ -6,7 +6,7 @@ The loop, warm start, resume, signals, checkpoints, the non-finite check, async 
 summary are the engine's (`rlcode.train.engine`, shared with the synthesis job). This module
 supplies the agent's config schema (`validate_config`), tasks (`build_tasks`) and `Plan`:
 
-1. **Tasks** (`rlcode.envs.repo_tasks`): small Python repositories with a planted bug or a
+1. **Tasks** (`rlcode.envs.tasks.repo`): small Python repositories with a planted bug or a
    missing feature. Training uses the train families (seeds from `task.seed`); two evaluation
    sets are never trained on: ``eval_fresh`` (other seeds of the train families: new names,
    constants, variants and tests) and ``eval`` (the eval families: bug shapes never seen).
@@ -37,7 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from rlcode.checks import ConfigError, config_errors, flag, integer, real, schema_from_defaults, sequence, text
-from rlcode.envs import grading, repo_tasks, rewards, tools
+from rlcode.envs import grading, rewards, tools
+from rlcode.envs.tasks import repo as repo_tasks
 from rlcode.session_sampling import PREFILL_MODES, SessionSampler, prefill_metrics
 from rlcode.tokenizer import Tokenizer
 from rlcode.train import memory

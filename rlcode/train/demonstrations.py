@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from rlcode import advantages as adv_lib
-from rlcode.envs import harness, repo_tasks
+from rlcode.envs import harness
+from rlcode.envs.tasks import repo as repo_tasks
 from rlcode.sandbox import fstree
 from rlcode.tokenizer import Tokenizer
 from rlcode.train.episodes import Episode, episode_kwargs, grade_episode

@@ -20,7 +20,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from rlcode.envs import grading, harness, repo_tasks, rewards, tools
+from rlcode.envs import grading, harness, rewards, tools
+from rlcode.envs.tasks import repo as repo_tasks
 from rlcode.sandbox import fstree
 from rlcode.session_sampling import SessionSampler
 from rlcode.tokenizer import Tokenizer

@@ -51,8 +51,9 @@ from rlcode.tokenizer import ByteTokenizer
 from rlcode.train import memory
 from rlcode.train.engine import Context, Job, Plan, RunResult, train
 from rlcode.train.metrics import eval_summary
-from rlcode.train.rollout import (TEST_REWARDS, EncodedTasks, Grader, Rollout, RolloutCollector, RolloutConfig,
-                                  SynthRewardConfig, encode_tasks, reward_config, trim_batch)
+from rlcode.envs.rewards import SYNTH_TEST_REWARDS, SynthRewardConfig, synth_reward_config
+from rlcode.train.rollout import (EncodedTasks, Grader, Rollout, RolloutCollector, RolloutConfig, encode_tasks,
+                                  trim_batch)
 from rlcode.train.schema import MAX_SANDBOX_WORKERS, SEED, check_common, check_schema, mesh_sizes
 from rlcode.train.step import make_logprob_fn
 
@@ -70,7 +71,7 @@ SYNTH_SECTIONS = {
     "rollout": {"prompts_per_step": integer(1), "group_size": integer(1), "async_mode": flag(),
                 "max_staleness": integer(0), "max_draws": integer(1)},
     "sandbox": {"workers": integer(1, MAX_SANDBOX_WORKERS)},
-    "reward": schema_from_defaults(reward_config(), {"tests": text(TEST_REWARDS), "truncation_penalty": real(0),
+    "reward": schema_from_defaults(synth_reward_config(), {"tests": text(SYNTH_TEST_REWARDS), "truncation_penalty": real(0),
                                                      "timeout": real(0, low_open=True)}),
     "train": {"steps": integer(1), "epochs": integer(1), "minibatches": integer(1), "microbatches": integer(1),
               "max_minutes": real(0, required=False)},

@@ -6,13 +6,9 @@ on the task's held-out tests in the sandbox pool (one isolated execution per sam
 row gets a reward made of logged terms. Rows keep the group-by-group layout that
 `rlcode.advantages.group_advantages` expects (row b belongs to prompt b // G).
 
-Rewards (`reward_config`; read as a `SynthRewardConfig`):
-  * ``tests``: 1 if every held-out test passes (``tests="all_pass"``) or the fraction passed
-    (``"pass_fraction"``);
-  * ``overlong``: DAPO's soft overlong punishment when ``shaping.overlong_cache_length > 0``
-    (docs/reference.md §3; `rlcode.advantages.overlong_penalty`);
-  * ``truncated``: ``-truncation_penalty`` for a row that hit ``max_new_tokens`` without its stop
-    token (its body is cut, so it usually fails anyway; the term makes the reason visible).
+Rewards: `rlcode.envs.rewards.synth_rewards` (tests passed, DAPO's overlong punishment, the
+truncation penalty), configured by the job's `reward` section read as a
+`rlcode.envs.rewards.SynthRewardConfig`.
 
 A sample whose execution failed for infrastructure reasons (status "infra": a worker died, the
 sandbox could not start) is *masked*: ``valid[b] = False``, reward 0, excluded from the group
@@ -37,58 +33,32 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
-from rlcode import advantages as adv_lib
-from rlcode.checks import apply_overrides, check_values, expect_type, integer, real, section_fields, text
+from rlcode.checks import TypedSection, expect_type, integer, real
 from rlcode.checks import flag as boolean
 from rlcode.envs import verdict
+from rlcode.envs.rewards import SynthRewardConfig, synth_rewards
 from rlcode.envs.tasks import synth
 from rlcode.recipes import ShapingConfig
 from rlcode.sampling import SamplingConfig, sample
 from rlcode.tokenizer import Tokenizer
 from rlcode.train.schema import MAX_SANDBOX_WORKERS
 
-TEST_REWARDS = ("all_pass", "pass_fraction")
-REWARD_TERMS = ("tests", "overlong", "truncated")
-
-SYNTH_REWARD_SPECS = {"tests": text(TEST_REWARDS), "truncation_penalty": real(0), "timeout": real(0, low_open=True)}
 ROLLOUT_SPECS = {"prompts_per_step": integer(1), "group_size": integer(1), "async_mode": boolean(),
                  "max_staleness": integer(0), "max_draws": integer(1)}
 SANDBOX_SPECS = {"workers": integer(1, MAX_SANDBOX_WORKERS), "timeout": real(0, low_open=True, none_ok=True)}
 
 
 @dataclasses.dataclass(frozen=True)
-class SynthRewardConfig:
-    """The synthesis job's `reward` section, validated and frozen (see the module docstring).
-
-    tests: "all_pass" | "pass_fraction". truncation_penalty: subtracted from a row that hit
-    max_new_tokens without its stop token. timeout: seconds one graded execution may run.
-    """
-
-    tests: str = "all_pass"
-    truncation_penalty: float = 0.0
-    timeout: float = 5.0
-
-    def __post_init__(self):
-        check_values(self, SYNTH_REWARD_SPECS, "reward")
-
-    @classmethod
-    def from_config(cls, config: Any) -> SynthRewardConfig:
-        """A SynthRewardConfig from a `reward` section (ConfigDict or mapping) or an instance; an
-        unknown field is a ConfigError naming the closest known ones."""
-        if isinstance(config, cls):
-            return config
-        return cls(**section_fields(config, tuple(SYNTH_REWARD_SPECS), "reward"))
-
-
-@dataclasses.dataclass(frozen=True)
-class RolloutConfig:
+class RolloutConfig(TypedSection):
     """The `rollout` section, validated and frozen: P = prompts_per_step prompts x G =
     group_size samples per batch; async_mode samples in a background thread, dropping a batch
     more than max_staleness parameter versions old; max_draws bounds the draws of dynamic
     sampling (`RolloutCollector.collect`). The agent job's section holds only P and G."""
+
+    SPECS = ROLLOUT_SPECS
+    SECTION = "rollout"
 
     prompts_per_step: int = 8
     group_size: int = 8
@@ -96,45 +66,18 @@ class RolloutConfig:
     max_staleness: int = 1
     max_draws: int = 4
 
-    def __post_init__(self):
-        check_values(self, ROLLOUT_SPECS, "rollout")
-
-    @classmethod
-    def from_config(cls, config: Any) -> RolloutConfig:
-        """A RolloutConfig from a `rollout` section (ConfigDict or mapping) or an instance; an
-        unknown field is a ConfigError naming the closest known ones."""
-        if isinstance(config, cls):
-            return config
-        return cls(**section_fields(config, tuple(ROLLOUT_SPECS), "rollout"))
-
 
 @dataclasses.dataclass(frozen=True)
-class SandboxConfig:
+class SandboxConfig(TypedSection):
     """The `sandbox` section, validated and frozen: workers, the processes of the sandbox pool;
     timeout, the seconds one execution may run (the agent job's; the synthesis job's is
     `SynthRewardConfig.timeout`, and its section leaves this None)."""
 
+    SPECS = SANDBOX_SPECS
+    SECTION = "sandbox"
+
     workers: int = 2
     timeout: float | None = None
-
-    def __post_init__(self):
-        check_values(self, SANDBOX_SPECS, "sandbox")
-
-    @classmethod
-    def from_config(cls, config: Any) -> SandboxConfig:
-        """A SandboxConfig from a `sandbox` section (ConfigDict or mapping) or an instance; an
-        unknown field is a ConfigError naming the closest known ones."""
-        if isinstance(config, cls):
-            return config
-        return cls(**section_fields(config, tuple(SANDBOX_SPECS), "sandbox"))
-
-
-def reward_config(**overrides: Any) -> ml_collections.ConfigDict:
-    """The `reward` config section (see the module docstring): the `SynthRewardConfig` defaults."""
-    cfg = ml_collections.ConfigDict({f.name: f.default for f in dataclasses.fields(SynthRewardConfig)})
-    apply_overrides(cfg, overrides, "reward")
-    SynthRewardConfig.from_config(cfg)
-    return cfg
 
 
 @dataclasses.dataclass(frozen=True)
@@ -358,15 +301,8 @@ class RolloutCollector:
         mask = np.asarray(out.mask, bool)
         stopped = np.isin(tokens, np.asarray(self.sampling.stop_ids)).any(-1)
         truncated = ~stopped & (lengths >= M)
-        tests = (frac >= 1.0).astype(np.float32) if self.reward.tests == "all_pass" else frac
-        terms = {"tests": tests, "truncated": -self.reward.truncation_penalty * truncated.astype(np.float32)}
-        cache = self.shaping.overlong_cache_length
-        if cache:
-            terms["overlong"] = np.asarray(adv_lib.overlong_penalty(jnp.asarray(lengths), M, cache), np.float32)
-        else:
-            terms["overlong"] = np.zeros_like(tests)
-        terms = {k: np.where(valid, v, 0.0).astype(np.float32) for k, v in terms.items()}
-        rewards = sum(terms.values()).astype(np.float32)
+        rewards, terms = synth_rewards(frac, valid, truncated, lengths, M, self.reward,
+                                       self.shaping.overlong_cache_length)
         stats = dict(counts, sample_s=t1 - t0, execute_s=t2 - t1, generated_tokens=float(mask.sum()),
                      truncated=float(truncated.sum()))
         return Rollout(task_ids=task_ids, prompts=prompts, prompt_lengths=prompt_lengths, tokens=tokens,

@@ -51,7 +51,7 @@ SECTIONS = [
     ("agent_reward", rewards.RewardConfig, "reward", AGENT.reward, "turn_weigth", "turn_weight",
      [("test_reward", "best"), ("hack_flags", "tests_edited"), ("hack_flags", ("tests_edited", "made_up")),
       ("length_growth", 0.5), ("malformed_cap", 1.5), ("turn_weight", -0.01)]),
-    ("synth_reward", rollout.SynthRewardConfig, "reward", SYNTH.reward, "truncation_penality",
+    ("synth_reward", rewards.SynthRewardConfig, "reward", SYNTH.reward, "truncation_penality",
      "truncation_penalty", [("tests", "best"), ("truncation_penalty", -1.0), ("timeout", 0.0)]),
     ("synth_rollout", rollout.RolloutConfig, "rollout", SYNTH.rollout, "group_sise", "group_size",
      [("group_size", 0), ("prompts_per_step", 2.0), ("async_mode", "yes"), ("max_staleness", -1),
@@ -130,7 +130,7 @@ def test_builders_are_the_dataclass_defaults():
     """The default sections the configs embed hold exactly the dataclasses' fields and defaults."""
     pairs = [(losses.loss_config(), losses.ObjectiveConfig()), (recipes.advantage_config(), AdvantageConfig()),
              (recipes.shaping_config(), recipes.ShapingConfig()), (rewards.reward_config(), rewards.RewardConfig()),
-             (rollout.reward_config(), rollout.SynthRewardConfig())]
+             (rewards.synth_reward_config(), rewards.SynthRewardConfig())]
     for section, default in pairs:
         assert type(default).from_config(section) == default
     with pytest.raises(ValueError, match="unknown advantage config field"):

@@ -1,4 +1,5 @@
-"""Generated task families for RL training (program synthesis: `synth`)."""
+"""Generated task families for RL training: program synthesis (`synth`, whose names this package
+re-exports) and repositories with a planted bug or a missing feature (`repo`, the agent job's)."""
 
 from rlcode.envs.tasks.synth import (
     LEVELS,

@@ -27,7 +27,7 @@ import textwrap
 import pytest
 
 from rlcode.envs import grading, hacks
-from rlcode.envs import repo_tasks as rt
+from rlcode.envs.tasks import repo as rt
 from rlcode.envs.hacks import FAILING, FORCE_PASS_PLUGIN, hack_functions, package_of, source_modules
 from rlcode.sandbox import fstree
 from support.local_executor import LocalExecutor, Result  # this test directory is on sys.path

@@ -17,7 +17,8 @@ import time
 import pytest
 
 from rlcode import tokenizer as tk
-from rlcode.envs import harness, repo_tasks as rt, tools
+from rlcode.envs import harness, tools
+from rlcode.envs.tasks import repo as rt
 from support.local_executor import LocalExecutor, Result  # this test directory is on sys.path
 
 

@@ -1,4 +1,4 @@
-"""rlcode.envs.repo_tasks: determinism, disjoint splits, the reference solutions against the
+"""rlcode.envs.tasks.repo: determinism, disjoint splits, the reference solutions against the
 held-out tests (pytest in a subprocess), the starting copies failing them, and materialised
 copies without held-out tests."""
 
@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from rlcode import tokenizer as tk
-from rlcode.envs import repo_tasks as rt
+from rlcode.envs.tasks import repo as rt
 
 FAMILY_SEEDS = [(name, seed) for seed, name in enumerate(rt.FAMILIES)]
 
@@ -72,7 +72,7 @@ def test_deterministic_per_seed(split, difficulty):
 
 
 def test_deterministic_across_interpreters():
-    code = ("import hashlib, json; from rlcode.envs import repo_tasks as rt; "
+    code = ("import hashlib, json; from rlcode.envs.tasks import repo as rt; "
             "print(hashlib.sha256(json.dumps([[t.files, t.heldout_tests, t.instruction] "
             "for t in rt.make_tasks('train', 12) + rt.make_tasks('eval', 6)], sort_keys=True).encode()).hexdigest())")
     here = hashlib.sha256(json.dumps([[t.files, t.heldout_tests, t.instruction]

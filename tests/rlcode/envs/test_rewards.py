@@ -10,7 +10,7 @@ import ml_collections
 import pytest
 
 from rlcode.envs import grading, harness, rewards
-from rlcode.envs import repo_tasks as rt
+from rlcode.envs.tasks import repo as rt
 from support.local_executor import LocalExecutor  # this test directory is on sys.path
 
 # sigmoid(0), sigmoid(1), sigmoid(-3), computed by hand: 1 / (1 + e^-x).

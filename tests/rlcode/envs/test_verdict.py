@@ -19,7 +19,8 @@ import uuid
 
 import pytest
 
-from rlcode.envs import hacks, repo_tasks, verdict
+from rlcode.envs import hacks, verdict
+from rlcode.envs.tasks import repo as repo_tasks
 from rlcode.envs import verdict_child as child
 from support.local_executor import LocalExecutor, Result  # this test directory is on sys.path
 

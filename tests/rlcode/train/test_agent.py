@@ -20,7 +20,8 @@ from support.local_executor import LocalExecutor
 from configs.agent_repo import get_config
 from support.field_checks import check_every_field
 from rlcode.checks import ConfigError
-from rlcode.envs import harness, repo_tasks
+from rlcode.envs import harness
+from rlcode.envs.tasks import repo as repo_tasks
 from rlcode.models.attention import AttentionMask
 from rlcode.models.transformer import init_model, model_config
 from rlcode.tokenizer import ByteTokenizer

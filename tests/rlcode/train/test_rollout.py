@@ -21,8 +21,9 @@ from rlcode.train import loop, sft
 from rlcode.advantages import AdvantageConfig
 from rlcode.losses import ObjectiveConfig
 from rlcode.recipes import ShapingConfig
-from rlcode.train.rollout import (Grader, RolloutCollector, SynthRewardConfig, encode_tasks, reward_config,
-                                  trim_batch)
+from rlcode.envs.rewards import SynthRewardConfig
+from rlcode.envs.rewards import synth_reward_config as reward_config
+from rlcode.train.rollout import Grader, RolloutCollector, encode_tasks, trim_batch
 
 TOK = ByteTokenizer()
 
