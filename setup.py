@@ -27,7 +27,8 @@ INSTALL_REQUIRES = [
 
 EXTRAS_REQUIRE = {
     # ray is here so the test suite exercises the Ray sandbox backend on a local cluster.
-    "test": ["pytest>=8,<10", "ray>=2.40,<3"],
+    # pytest-xdist runs the suite on every core (README, Tests).
+    "test": ["pytest>=8,<10", "pytest-xdist>=3.5,<4", "ray>=2.40,<3"],
     "gpu": ["jax[cuda12]>=0.10,<0.11", "jax-triton>=0.3,<0.4"],
     "distributed": ["ray>=2.40,<3"],
 }

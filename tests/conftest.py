@@ -11,9 +11,10 @@
   shared by every test process and the jobs they start: the suite compiles the same tiny models
   many times, and a fresh checkout starts with an empty cache. Set JAX_COMPILATION_CACHE_DIR to
   put it elsewhere.
-* Marker ``slow``: whole-job runs beyond one end-to-end test per job, multi-process and
-  8-device subprocess tests, interpreted Triton gradient grids. ``-m "not slow"`` is the fast
-  development run (README, Tests).
+* Marker ``slow``: whole-job runs beyond one end-to-end test per job, multi-process, Ray and
+  8-device subprocess tests. They are left out unless ``--slow`` is given (or an explicit ``-m``
+  selects them): ``pytest`` alone is the fast development run, ``pytest --slow`` the full suite
+  that CI runs (README, Tests).
 """
 
 import os
@@ -54,3 +55,17 @@ def sandbox_pool():
             pytest.skip(f"the sandbox pool cannot start on this machine: {e}")
     with pool:
         yield pool
+
+
+def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true",
+                     help="also run the tests marked slow (the full suite, as CI runs it)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--slow") or config.getoption("markexpr"):
+        return  # the full suite, or an explicit -m expression decides
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]

@@ -21,6 +21,7 @@ TINY = [
 ]
 
 
+@pytest.mark.slow
 def test_main_job_command_runs(tmp_path):
     cmd = [sys.executable, "-m", "experiments.train", "--config=configs/grpo_synth.py:loss=dapo",
            f"--config.workdir={tmp_path / 'run'}", f"--config.sft.cache_dir={tmp_path / 'sft'}", *TINY,

@@ -9,6 +9,7 @@ import uuid
 import pytest
 
 ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.slow  # a local Ray cluster: multi-process
 
 from rlcode.sandbox import ExecResult, Limits, SandboxPool  # noqa: E402
 from rlcode.sandbox.ray_pool import RaySandboxPool  # noqa: E402

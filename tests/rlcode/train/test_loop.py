@@ -152,6 +152,7 @@ def test_unknown_recipe_in_config_argument_names_it():
         tiny_job.load_config("objective=grpo")
 
 
+@pytest.mark.slow
 def test_existing_run_needs_resume(tmp_path, pool):
     cfg = tiny_job.tiny_config(tmp_path, steps=1, eval__at_start=False, eval__at_end=False)
     loop.run(cfg, pool=pool)
@@ -213,6 +214,7 @@ def test_job_runs_logs_checkpoints_and_resumes(tmp_path, pool):
     ],
     ids=["nsa", "squid"],
 )
+@pytest.mark.slow
 def test_job_trains_with_each_attention_kind(tmp_path, pool, attention):
     """The whole job (sampling with the kind's decode cache, grading, train steps) with NSA and squid."""
     cfg = tiny_job.tiny_config(tmp_path, steps=2, eval__at_start=False, eval__at_end=False)
@@ -227,6 +229,7 @@ def test_job_trains_with_each_attention_kind(tmp_path, pool, attention):
     assert abs(scalars["train/is_weight_p05"][0][1] - 1) < 1e-3
 
 
+@pytest.mark.slow
 def test_job_trains_an_moe_policy_and_logs_router_statistics(tmp_path, pool):
     cfg = tiny_job.tiny_config(tmp_path, steps=2, arg="mlp=moe", eval__at_start=False, eval__at_end=False)
     cfg.model.mlp.update(num_experts=4, router="sigmoid", precision="mxfp8", impl="xla")
@@ -242,6 +245,7 @@ def test_job_trains_an_moe_policy_and_logs_router_statistics(tmp_path, pool):
     assert scalars["train/aux_moe_bias_abs_mean"][-1][1] > 0  # the bias moved after the steps
 
 
+@pytest.mark.slow
 def test_nonfinite_loss_stops_with_statistics_and_keeps_checkpoints(tmp_path, pool):
     cfg = tiny_job.tiny_config(tmp_path, steps=4, eval__at_start=False)
 
@@ -265,6 +269,7 @@ def test_nonfinite_loss_stops_with_statistics_and_keeps_checkpoints(tmp_path, po
     assert floats and all(np.isfinite(x).all() for x in floats)
 
 
+@pytest.mark.slow
 def test_ppo_with_value_head_and_gae(tmp_path, pool):
     cfg = tiny_job.tiny_config(tmp_path, steps=2, arg="loss=ppo", eval__at_start=False)
     assert cfg.model.value_head and cfg.advantage.estimator == "gae"
@@ -275,6 +280,7 @@ def test_ppo_with_value_head_and_gae(tmp_path, pool):
     assert all(np.isfinite(v) for _, v in scalars["train/value_loss"])
 
 
+@pytest.mark.slow
 def test_async_mode_bounds_staleness(tmp_path, pool):
     cfg = tiny_job.tiny_config(tmp_path, steps=4, rollout__async_mode=True, rollout__max_staleness=1,
                                eval__every=0, eval__at_start=False)
@@ -288,6 +294,7 @@ def test_async_mode_bounds_staleness(tmp_path, pool):
     assert all("train/is_weight_mean" in r for r in rows)
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_runs(tmp_path, pool):
     cfg = tiny_job.tiny_config(tmp_path, steps=2, arg="loss=dapo", eval__at_start=False, eval__at_end=False)
     assert cfg.shaping.dynamic_sampling
@@ -317,6 +324,7 @@ def _wait_for_checkpoint(workdir, step, proc, timeout=240):
         time.sleep(0.2)
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_and_sigkill_resumes(tmp_path, pool):
     workdir = tmp_path / "run"
     # Ctrl-C: the job finishes its step, saves a checkpoint and exits cleanly.
@@ -346,6 +354,7 @@ def test_ctrl_c_saves_and_sigkill_resumes(tmp_path, pool):
     assert steps[-2:] == [latest + 1, latest + 2]
 
 
+@pytest.mark.slow
 def test_job_on_eight_fake_devices(tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     proc = _start(tmp_path, 2, "mesh.data=4", "mesh.fsdp=2", "eval.every=0", env=env)

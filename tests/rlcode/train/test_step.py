@@ -133,11 +133,13 @@ def eight_device_result():
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_sharded_step_equals_single_device(eight_device_result):
     _check(eight_device_result)
     assert eight_device_result["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2, "expert": 1}
 
 
+@pytest.mark.slow
 def test_two_processes_on_localhost_equal_single_device():
     port = _free_port()
     procs = [
