@@ -427,10 +427,12 @@ def ep_check():
 
 @pytest.fixture(scope="module")
 def ep_results():
-    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where the `support` package lives
+    # The checkout first (its tests/rlcode folder must not shadow the package), then tests/, where
+    # the `support` package lives.
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = (os.path.dirname(tests), tests, os.environ.get("PYTHONPATH"))
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
-               TF_CPP_MIN_LOG_LEVEL="2",
-               PYTHONPATH=os.pathsep.join(filter(None, (tests, os.environ.get("PYTHONPATH")))))
+               TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=os.pathsep.join(filter(None, path)))
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "ep"], env=env, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
