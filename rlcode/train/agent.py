@@ -198,7 +198,7 @@ def plan(ctx: Context, tasks: dict) -> Plan:
     log-probs; evaluate = `evaluate` on both held-out sets with common random numbers."""
     cfg, tok, pool = ctx.cfg, ctx.tokenizer, ctx.pool
     P, G = cfg.rollout.prompts_per_step, cfg.rollout.group_size
-    temperature = cfg.sampling.temperature
+    temperature = ctx.sampling.temperature
     logprob_fn = make_logprob_fn(ctx.graphdef, temperature)
 
     def session_sampler(rows: int) -> SessionSampler:
@@ -206,7 +206,7 @@ def plan(ctx: Context, tasks: dict) -> Plan:
                               max_response=cfg.agent.max_response_tokens, temperature=temperature,
                               mode=cfg.agent.prefill)
 
-    if cfg.rollout.get("async_mode", False):  # the sampler thread and evaluation each need their own
+    if ctx.schedule.async_mode:  # the sampler thread and evaluation each need their own
         sampler, eval_sampler = session_sampler(P * G), session_sampler(cfg.eval.batch_rows)
     else:
         sampler = eval_sampler = session_sampler(max(P * G, cfg.eval.batch_rows))

@@ -75,8 +75,10 @@ class NonFiniteLossError(FloatingPointError):
 class Context:
     """What the engine has built, handed to the job's `Job.setup` and `Job.plan`.
 
-    The model fields (graphdef, mesh, rules) are set before `Job.plan` is called. A job registers
-    what it opens (files, samplers) in `resources`; the engine closes them on every exit path."""
+    The sections the engine has read (`schedule`, and the typed `objective` and `sampling` it
+    builds the train step from) are there for the job to reuse, not to read again. The model fields
+    (graphdef, mesh, rules) are set before `Job.plan` is called. A job registers what it opens
+    (files, samplers) in `resources`; the engine closes them on every exit path."""
 
     cfg: Any
     workdir: str
@@ -85,6 +87,9 @@ class Context:
     say: Callable[[str], None]
     tokenizer: ByteTokenizer
     resources: contextlib.ExitStack
+    schedule: Schedule
+    objective: ObjectiveConfig
+    sampling: SamplingConfig
     graphdef: Any = None
     mesh: Any = None
     rules: Any = None
@@ -441,7 +446,7 @@ def train(cfg: Any, job: Job, *, pool: Any = None, log: Callable[[str], None] | 
         ckpt = Checkpointer(ckpt_dir, keep=sched.checkpoint_keep, async_save=True)
         resources.callback(ckpt.close)
         resources.callback(lambda: progress.close() if progress is not None else None)
-        ctx = Context(cfg, workdir, pool, writer, say, ByteTokenizer(), resources)
+        ctx = Context(cfg, workdir, pool, writer, say, ByteTokenizer(), resources, sched, objective, sampling)
 
         # ---- tasks, warm start, model, train state, resume
         demos, data = job.setup(ctx)

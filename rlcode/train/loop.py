@@ -288,11 +288,12 @@ def plan(ctx: Context, tasks: tuple) -> Plan:
     `make_prepare_fn`; evaluate = `evaluate` on the eval pools with common random numbers."""
     cfg, tok = ctx.cfg, ctx.tokenizer
     train_tasks, eval_tasks, fresh_tasks = tasks
-    # The sections the library reads, converted once into their typed configs.
-    objective = losses.ObjectiveConfig.from_config(cfg.loss)
+    # The sections the library reads, converted once into their typed configs (the engine's for
+    # the loss and sampling sections).
+    objective, options = ctx.objective, ctx.sampling
     advantage = adv_lib.AdvantageConfig.from_config(cfg.advantage)
     reward, shaping = SynthRewardConfig.from_config(cfg.reward), ShapingConfig.from_config(cfg.shaping)
-    rollout, options = RolloutConfig.from_config(cfg.rollout), SamplingConfig.from_config(cfg.sampling)
+    rollout = RolloutConfig.from_config(cfg.rollout)
     sampling = dataclasses.replace(options, top_k=options.top_k or None, stop_ids=(tok.eos_id,), pad_id=tok.pad_id)
     grader = Grader(ctx.pool, timeout=reward.timeout)
     G, P = rollout.group_size, rollout.prompts_per_step
