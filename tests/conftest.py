@@ -11,6 +11,8 @@
   shared by every test process and the jobs they start: the suite compiles the same tiny models
   many times, and a fresh checkout starts with an empty cache. Set JAX_COMPILATION_CACHE_DIR to
   put it elsewhere.
+* XLA compiles with its cheapest backend settings (`FAST_COMPILE`, added to XLA_FLAGS): the
+  suite's cost is mostly compiling small programs, not running them.
 * Marker ``slow``: whole-job runs beyond one end-to-end test per job, multi-process, Ray and
   8-device subprocess tests. They are left out unless ``--slow`` is given (or an explicit ``-m``
   selects them): ``pytest`` alone is the fast development run, ``pytest --slow`` the full suite
@@ -29,6 +31,13 @@ CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", CACHE)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# The suite compiles thousands of small programs and runs each a few times, so compiling is most
+# of its cost: XLA's cheapest backend settings take about a fifth off it. Every check compares
+# against an oracle with a tolerance, which these settings stay well inside. Subprocesses inherit
+# them (`support.xla_flags` adds fake devices without dropping them).
+FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
+_flags = os.environ.get("XLA_FLAGS", "").split()
+os.environ["XLA_FLAGS"] = " ".join(_flags + [f for f in FAST_COMPILE if f not in _flags])
 
 
 def pytest_configure(config):

@@ -20,6 +20,7 @@ from flax import nnx
 
 from rlcode.models import moe as moe_lib
 from rlcode.models.transformer import ModelConfig, init_model, model_config
+from support import xla_flags
 
 D, E, F, K = 16, 4, 24, 2
 
@@ -431,7 +432,7 @@ def ep_results():
     # the `support` package lives.
     tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     path = (os.path.dirname(tests), tests, os.environ.get("PYTHONPATH"))
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=xla_flags(8), JAX_PLATFORMS="cpu",
                TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=os.pathsep.join(filter(None, path)))
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "ep"], env=env, capture_output=True, text=True,
                          timeout=600)

@@ -26,6 +26,7 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import SingleDeviceSharding
 
+import support
 from rlcode.train.checkpoint import Checkpointer, CheckpointError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -35,9 +36,9 @@ TMP_SUFFIX = ".orbax-checkpoint-tmp"
 def run_python(code, timeout=120, xla_flags=None):
     """Run `code` in a fresh interpreter (CPU JAX); return its stdout, fail with its stderr."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = support.xla_flags()
     if xla_flags:
-        env["XLA_FLAGS"] = xla_flags
+        env["XLA_FLAGS"] += " " + xla_flags
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -15,7 +15,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from support import tiny_job  # the tiny config; also the script the subprocess tests run
+from support import tiny_job, xla_flags  # the tiny config; also the script the subprocess tests run
 from support.field_checks import check_every_field
 
 from rlcode.checks import ConfigError
@@ -356,7 +356,7 @@ def test_ctrl_c_saves_and_sigkill_resumes(tmp_path, pool):
 
 @pytest.mark.slow
 def test_job_on_eight_fake_devices(tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=xla_flags(8), JAX_PLATFORMS="cpu")
     proc = _start(tmp_path, 2, "mesh.data=4", "mesh.fsdp=2", "eval.every=0", env=env)
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]

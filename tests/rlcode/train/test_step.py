@@ -16,7 +16,7 @@ from rlcode import losses
 from rlcode.models.attention import AttentionMask
 from rlcode.train import step as step_lib
 
-from support import step_check  # also the script the multi-device tests run in subprocesses
+from support import step_check, xla_flags  # also the script the multi-device tests run in subprocesses
 
 
 def fresh(microbatches=1, loss_overrides=None):
@@ -111,7 +111,7 @@ def _free_port():
 
 def _env(devices):
     env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = xla_flags(devices)
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
     return env
 
