@@ -28,7 +28,8 @@ INSTALL_REQUIRES = [
 EXTRAS_REQUIRE = {
     # ray is here so the test suite exercises the Ray sandbox backend on a local cluster.
     # pytest-xdist runs the suite on every core (README, Tests).
-    "test": ["pytest>=8,<10", "pytest-xdist>=3.5,<4", "ray>=2.40,<3"],
+    # safetensors: the format's reference implementation, read and written against ours in the tests.
+    "test": ["pytest>=8,<10", "pytest-xdist>=3.5,<4", "ray>=2.40,<3", "safetensors>=0.4,<1"],
     "gpu": ["jax[cuda12]>=0.10,<0.11", "jax-triton>=0.3,<0.4"],
     "distributed": ["ray>=2.40,<3"],
 }

@@ -30,7 +30,7 @@ from flax import nnx
 
 from rlcode.checks import TypedSection, integer, real, sequence
 from rlcode.models.attention import AttentionMask, KVCache
-from rlcode.models.layers import apply_rope
+from rlcode.models.layers import Rope, apply_rope
 from rlcode.models.logprobs import process_logits
 
 
@@ -239,13 +239,13 @@ def encode_documents(model: nnx.Module, docs, *, start: int = 0, pad_to: int = 1
     return [DocKV(k[:, i, : d.size], v[:, i, : d.size], int(start)) for i, d in enumerate(docs)]
 
 
-def rotate_keys(k: jax.Array, delta: int, theta: float) -> jax.Array:
+def rotate_keys(k: jax.Array, delta: int, rope: Rope) -> jax.Array:
     """Move cached keys [..., L, K, H] by `delta` positions (an int, or a traced scalar under
     jit/vmap): RoPE is a rotation, R(p + d) = R(d) R(p)."""
     if isinstance(delta, int) and delta == 0:
         return k
     flat = k.reshape((-1,) + k.shape[-3:])
-    moved = apply_rope(flat, jnp.full(flat.shape[:2], delta, jnp.int32), theta)
+    moved = apply_rope(flat, jnp.full(flat.shape[:2], delta, jnp.int32), rope)
     return moved.reshape(k.shape)
 
 
@@ -289,7 +289,7 @@ def document_context(
     rows, lengths, next_pos = [], [], []
     for docs in doc_sets:
         starts, nxt = document_positions([d.length for d in docs], mode, start)
-        ks = [rotate_keys(d.k, s - d.start, model.cfg.rope_theta) for d, s in zip(docs, starts)]
+        ks = [rotate_keys(d.k, s - d.start, model.cfg.rope) for d, s in zip(docs, starts)]
         vs = [d.v for d in docs]
         rows.append((ks, vs))
         lengths.append(sum(d.length for d in docs))
@@ -404,13 +404,13 @@ def extend_session(graphdef, params, cache: SessionCache, rows, tokens, lengths,
     return SessionCache(cache.k.at[:, rows].set(ck), cache.v.at[:, rows].set(cv)), last
 
 
-@functools.partial(jax.jit, static_argnames=("theta",), donate_argnames=("cache",))
-def write_documents(cache: SessionCache, rows, starts, doc_k, doc_v, doc_start, *, theta: float):
+@functools.partial(jax.jit, static_argnames=("rope",), donate_argnames=("cache",))
+def write_documents(cache: SessionCache, rows, starts, doc_k, doc_v, doc_start, *, rope: Rope):
     """Place cached documents into distinct `rows` [Nd] at slots starts [Nd]: doc_k/v
     [L, Nd, Ld, K, H] (right-padded) were encoded with their first token at doc_start [Nd]; keys
     are rotated by starts - doc_start (RoPE is a rotation). Padding slots past a document's end
     are written too; they lie beyond the row's filled length."""
-    rotate = lambda k, delta: rotate_keys(k, delta, theta)
+    rotate = lambda k, delta: rotate_keys(k, delta, rope)
     moved = jax.vmap(rotate, in_axes=(1, 0), out_axes=1)(doc_k, (starts - doc_start).astype(jnp.int32))
     ck = _write_rows(cache.k[:, rows], moved, starts)
     cv = _write_rows(cache.v[:, rows], doc_v, starts)

@@ -156,7 +156,7 @@ class SessionSampler:
             return jnp.stack(padded, axis=1)
 
         self.cache = sampling.write_documents(self.cache, rows, starts, stacked([kv.k for kv in docs]),
-                                              stacked([kv.v for kv in docs]), doc_start, theta=self.model.cfg.rope_theta)
+                                              stacked([kv.v for kv in docs]), doc_start, rope=self.model.cfg.rope)
         for r, t in items:
             self.lengths[r] += len(t)
 

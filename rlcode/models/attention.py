@@ -85,7 +85,8 @@ class AttentionMask(NamedTuple):
 
 
 class QKVProjection(nnx.Module):
-    """Grouped-query projections with optional QK-norm (RMSNorm over the head dim) and RoPE."""
+    """Grouped-query projections with optional biases (`qkv_bias`), QK-norm (RMSNorm over the
+    head dim, after the biases) and RoPE."""
 
     def __init__(self, cfg: Any, *, rngs: nnx.Rngs):
         self.placement = None  # where activations are pinned: set by rlcode.sharding.place
@@ -98,6 +99,11 @@ class QKVProjection(nnx.Module):
         self.wk = make_param(rngs, fan_in_init((0,)), (D, K, H), ("embed", "kv_heads", "head_dim"), pd)
         self.wv = make_param(rngs, fan_in_init((0,)), (D, K, H), ("embed", "kv_heads", "head_dim"), pd)
         self.wo = make_param(rngs, fan_in_init((0, 1)), (N, H, D), ("heads", "head_dim", "embed"), pd)
+        if cfg.qkv_bias:
+            zeros = nnx.initializers.zeros
+            self.bq = make_param(rngs, zeros, (N, H), ("heads", "head_dim"), pd)
+            self.bk = make_param(rngs, zeros, (K, H), ("kv_heads", "head_dim"), pd)
+            self.bv = make_param(rngs, zeros, (K, H), ("kv_heads", "head_dim"), pd)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(H, eps=cfg.norm_eps, axis_name="head_dim", param_dtype=pd, rngs=rngs)
             self.k_norm = RMSNorm(H, eps=cfg.norm_eps, axis_name="head_dim", param_dtype=pd, rngs=rngs)
@@ -108,10 +114,12 @@ class QKVProjection(nnx.Module):
         q = jnp.einsum("btd,dnh->btnh", x, self.wq[...].astype(dt))
         k = jnp.einsum("btd,dkh->btkh", x, self.wk[...].astype(dt))
         v = jnp.einsum("btd,dkh->btkh", x, self.wv[...].astype(dt))
+        if self.cfg.qkv_bias:
+            q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[...].astype(dt)
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, positions_bt, self.cfg.rope_theta)
-        k = apply_rope(k, positions_bt, self.cfg.rope_theta)
+        q = apply_rope(q, positions_bt, self.cfg.rope)
+        k = apply_rope(k, positions_bt, self.cfg.rope)
         q = constrain(q, ("batch", "seq", "heads", "head_dim"), self.placement)
         k = constrain(k, ("batch", "seq", "kv_heads", "head_dim"), self.placement)
         v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"), self.placement)
@@ -361,6 +369,9 @@ class NSAAttention(nnx.Module):
             a["block_len"], a["stride"], a["select_size"], a["num_select"], a["window"]
         )
         self.shared_kv = bool(a["shared_kv"])
+        if cfg.qkv_bias and not self.shared_kv:
+            raise ValueError("model.qkv_bias with attention.shared_kv=False: the NSA branches' own key/value "
+                             "projections have no biases")
         self.impl = a["impl"]
         self.proj = QKVProjection(cfg, rngs=rngs)
         if not self.shared_kv:
@@ -385,7 +396,7 @@ class NSAAttention(nnx.Module):
         v = jnp.einsum("btd,dkh->btkh", x, getattr(self, f"wv_{branch}")[...].astype(dt))
         if self.cfg.qk_norm:
             k = getattr(self, f"k_norm_{branch}")(k)
-        return KVCache(apply_rope(k, positions_bt, self.cfg.rope_theta), v)
+        return KVCache(apply_rope(k, positions_bt, self.cfg.rope), v)
 
     def _gates(self, x_btd: jax.Array) -> jax.Array:
         """sigmoid gates [B, T, N, 3] (cmp, slc, win), float32."""

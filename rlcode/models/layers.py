@@ -6,6 +6,7 @@ Every parameter carries `logical_axes` metadata (one name per dimension, e.g. ("
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -42,20 +43,61 @@ class RMSNorm(nnx.Module):
         return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def rope_frequencies(head_dim: int, theta: float) -> jax.Array:
-    """[H/2] inverse frequencies theta^(-2i/H) of rotary embeddings (Su et al. 2021)."""
-    if head_dim % 2:
-        raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
-    return 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+ROPE_SCALINGS = ("none", "llama3")
 
 
-def apply_rope(x_btnh: jax.Array, positions_bt: jax.Array, theta: float) -> jax.Array:
+@dataclasses.dataclass(frozen=True)
+class Rope:
+    """Rotary position embedding (Su et al. 2021): base `theta` and an optional rescaling of its
+    frequencies for long contexts.
+
+    scaling "llama3" (Llama 3.1): a frequency whose wavelength 2 pi / f is shorter than
+    original_max_position / high_freq_factor is kept, one longer than original_max_position /
+    low_freq_factor is divided by `factor`, and the ones between are interpolated linearly in
+    s = (original_max_position / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor):
+    f' = (1 - s) f / factor + s f (docs/reference.md, "Rotary embeddings").
+    """
+
+    theta: float = 10000.0
+    scaling: str = "none"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+    def __post_init__(self):
+        if self.scaling not in ROPE_SCALINGS:
+            raise ValueError(f"rope scaling {self.scaling!r} is not one of {ROPE_SCALINGS}")
+        if not self.theta > 0:
+            raise ValueError(f"rope theta must be > 0, got {self.theta}")
+        if self.scaling == "llama3" and not (self.factor > 0 and 0 < self.low_freq_factor < self.high_freq_factor
+                                             and self.original_max_position > 0):
+            raise ValueError(f"llama3 rope scaling needs factor > 0, 0 < low_freq_factor < high_freq_factor and "
+                             f"original_max_position > 0, got {self}")
+
+    def frequencies(self, head_dim: int) -> jax.Array:
+        """[H/2] inverse frequencies theta^(-2i/H), rescaled by `scaling`."""
+        if head_dim % 2:
+            raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+        freqs = 1.0 / (self.theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+        if self.scaling == "llama3":
+            wavelength = 2 * jnp.pi / freqs
+            smooth = (self.original_max_position / wavelength - self.low_freq_factor) / (
+                self.high_freq_factor - self.low_freq_factor)
+            blended = (1 - smooth) * freqs / self.factor + smooth * freqs
+            freqs = jnp.where(wavelength < self.original_max_position / self.high_freq_factor, freqs,
+                              jnp.where(wavelength > self.original_max_position / self.low_freq_factor,
+                                        freqs / self.factor, blended))
+        return freqs
+
+
+def apply_rope(x_btnh: jax.Array, positions_bt: jax.Array, rope: Rope) -> jax.Array:
     """Rotate pairs (x_i, x_{i+H/2}) by angle position * freq_i (the non-interleaved layout).
 
     x [B, T, N, H], positions [B, T] (any integers: RoPE is relative, so a cached key at position
     p can be moved to p + d by rotating it by d).
     """
-    freqs = rope_frequencies(x_btnh.shape[-1], theta)
+    freqs = rope.frequencies(x_btnh.shape[-1])
     angles = positions_bt.astype(jnp.float32)[..., None] * freqs  # [B, T, H/2]
     cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
     x1, x2 = jnp.split(x_btnh.astype(jnp.float32), 2, axis=-1)

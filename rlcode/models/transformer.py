@@ -1,7 +1,8 @@
 """Decoder-only Llama/Qwen-style policy in Flax NNX.
 
 Token embedding -> L x [RMSNorm -> attention -> residual, RMSNorm -> MLP -> residual] -> RMSNorm.
-Grouped-query attention with RoPE (configurable theta) and optional QK-norm; SwiGLU MLP; tied or
+Grouped-query attention with RoPE (configurable theta and Llama 3 scaling), optional q/k/v biases
+and QK-norm; SwiGLU MLP; tied or
 untied output embedding; optional scalar value head (PPO). Attention and MLP come from their
 registries (`attention.kind`, `mlp.kind`), so variants plug in without touching this file.
 
@@ -21,7 +22,7 @@ import ml_collections
 from flax import nnx
 
 from rlcode.models.attention import AttentionMask, KVCache, make_attention
-from rlcode.models.layers import RMSNorm, make_param
+from rlcode.models.layers import RMSNorm, Rope, make_param
 from rlcode.models.mlp import make_mlp
 from rlcode.sharding import constrain
 
@@ -43,8 +44,15 @@ def model_config(**overrides: Any) -> ml_collections.ConfigDict:
             "head_dim": 16,
             "ffw_dim": 192,
             "rope_theta": 10000.0,
+            # RoPE frequency rescaling for long contexts: "none" or "llama3" (`layers.Rope`).
+            "rope_scaling": "none",
+            "rope_factor": 1.0,
+            "rope_low_freq_factor": 1.0,
+            "rope_high_freq_factor": 4.0,
+            "rope_original_max_position": 8192,
             "norm_eps": 1e-6,
             "qk_norm": False,
+            "qkv_bias": False,  # biases on the query, key and value projections (Qwen2)
             "tie_embeddings": True,
             "value_head": False,
             "dtype": "float32",
@@ -77,10 +85,18 @@ class ModelConfig:
     param_dtype: Any
     attention: ml_collections.FrozenConfigDict
     mlp: ml_collections.FrozenConfigDict
+    # Fields added later default to the behaviour of configs written before them.
+    qkv_bias: bool = False
+    rope_scaling: str = "none"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position: int = 8192
 
     @classmethod
     def from_config(cls, config: Any) -> "ModelConfig":
-        values = {f.name: config[f.name] for f in dataclasses.fields(cls)}
+        values = {f.name: config[f.name] for f in dataclasses.fields(cls)
+                  if f.name in config or f.default is dataclasses.MISSING}
         for name in ("dtype", "param_dtype"):
             if values[name] not in DTYPES:
                 raise ValueError(f"model.{name}={values[name]!r} is not one of {sorted(DTYPES)}")
@@ -95,7 +111,17 @@ class ModelConfig:
             raise ValueError(f"model.num_heads={out.num_heads} must be a multiple of num_kv_heads={out.num_kv_heads}")
         if out.head_dim % 2:
             raise ValueError(f"model.head_dim={out.head_dim} must be even (RoPE)")
+        try:
+            out.rope
+        except ValueError as e:
+            raise ValueError(f"model.rope_*: {e}") from None
         return out
+
+    @property
+    def rope(self) -> Rope:
+        """The rotary embedding of every attention layer."""
+        return Rope(self.rope_theta, self.rope_scaling, self.rope_factor, self.rope_low_freq_factor,
+                    self.rope_high_freq_factor, self.rope_original_max_position)
 
 
 class ModelOutput(NamedTuple):

@@ -18,6 +18,7 @@ from rlcode import losses
 from rlcode.advantages import ADVANTAGE_SPECS, AdvantageConfig
 from rlcode.checks import (ConfigError, check_fields, config_errors, flag, integer, real, schema_from_defaults,
                            sequence, text)
+from rlcode.models.layers import ROPE_SCALINGS
 from rlcode.recipes import RECIPES, SHAPING_SPECS, ShapingConfig
 from rlcode.sharding import DEFAULT_RULES, MESH_AXES
 
@@ -42,6 +43,9 @@ MODEL_SPECS = {
     "vocab_size": integer(1), "d_model": integer(1), "num_layers": integer(1), "num_heads": integer(1),
     "num_kv_heads": integer(1), "head_dim": integer(2), "ffw_dim": integer(1), "rope_theta": real(0, low_open=True),
     "norm_eps": real(0, low_open=True), "qk_norm": flag(), "tie_embeddings": flag(), "value_head": flag(),
+    "qkv_bias": flag(), "rope_scaling": text(ROPE_SCALINGS), "rope_factor": real(0, low_open=True),
+    "rope_low_freq_factor": real(0, low_open=True), "rope_high_freq_factor": real(0, low_open=True),
+    "rope_original_max_position": integer(1),
 }
 # The advantage, loss and shaping sections are checked with the Specs of the typed sections the
 # library reads them as (`AdvantageConfig`, `losses.ObjectiveConfig`, `ShapingConfig`).

@@ -54,3 +54,17 @@ def test_bench_logprobs_quick(tmp_path):
     # Same numbers from both paths; the chunked one plans far less temporary memory.
     assert abs(naive["value"] - chunked["value"]) < 1e-4 * abs(naive["value"])
     assert chunked["xla_temp_bytes"] < naive["xla_temp_bytes"] / 4
+
+
+def test_bench_load_writes_loads_and_reports_memory(tmp_path):
+    path = tmp_path / "bench.json"
+    stdout = run("experiments.bench_load", "--shape=tiny", f"--workdir={tmp_path}", "--repeats=1", "--shard_mb=1",
+                 f"--out={path}")
+    assert "load s" in stdout
+    result = json.loads(path.read_text())
+    # tiny: V=1024, D=64, F=192, 2 layers of GQA 4/2 with head_dim 16, q/k/v biases, tied embeddings:
+    # V*D + D + 2 * (2*D + D*N*H + 2*D*K*H + N*H*D + 3*D*F + N*H + 2*K*H) = 164,416 bfloat16 parameters
+    assert result["param_bytes"] == 2 * 164_416
+    assert result["files"] >= 1 and result["file_bytes"] >= result["param_bytes"]
+    assert result["seconds"] > 0 and result["peak_anon_above_start"] >= 0
+    assert os.path.exists(tmp_path / "tiny" / "model.safetensors.index.json")

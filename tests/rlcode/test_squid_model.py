@@ -89,7 +89,7 @@ def test_sequential_rotation_equals_re_encoding_at_the_new_offset(model):
     doc = make_docs(rng, [11])
     at0 = sampling.encode_documents(model, doc, start=0)[0]
     at37 = sampling.encode_documents(model, doc, start=37)[0]
-    moved = sampling.rotate_keys(at0.k, 37, model.cfg.rope_theta)
+    moved = sampling.rotate_keys(at0.k, 37, model.cfg.rope)
     np.testing.assert_allclose(np.asarray(moved), np.asarray(at37.k), rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(np.asarray(at0.v), np.asarray(at37.v), rtol=1e-5, atol=1e-5)
     assert np.abs(np.asarray(at0.k) - np.asarray(at37.k)).max() > 1e-2
