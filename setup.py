@@ -20,6 +20,8 @@ INSTALL_REQUIRES = [
     "tokenizers>=0.20,<1",
     # The agent's `lint` tool.
     "pyflakes>=3,<4",
+    # Models' own chat templates (rlcode.chat_template).
+    "jinja2>=3.1,<4",
     # Triton ships Linux wheels only; elsewhere the Triton paths report themselves unavailable
     # and the XLA reference of every kernel is used.
     "triton>=3.4,<4; platform_system == 'Linux'",
@@ -28,8 +30,10 @@ INSTALL_REQUIRES = [
 EXTRAS_REQUIRE = {
     # ray is here so the test suite exercises the Ray sandbox backend on a local cluster.
     # pytest-xdist runs the suite on every core (README, Tests).
-    # safetensors: the format's reference implementation, read and written against ours in the tests.
-    "test": ["pytest>=8,<10", "pytest-xdist>=3.5,<4", "ray>=2.40,<3", "safetensors>=0.4,<1"],
+    # safetensors and transformers (without torch): the reference implementations of the checkpoint
+    # format and of chat-template rendering, which the tests check ours against.
+    "test": ["pytest>=8,<10", "pytest-xdist>=3.5,<4", "ray>=2.40,<3", "safetensors>=0.4,<1",
+             "transformers>=4.50,<6"],
     "gpu": ["jax[cuda12]>=0.10,<0.11", "jax-triton>=0.3,<0.4"],
     "distributed": ["ray>=2.40,<3"],
 }

@@ -299,57 +299,97 @@ class HFTokenizer(Tokenizer):
 
     path_or_tokenizer: path of a ``tokenizer.json``, or a ``tokenizers.Tokenizer`` (copied; the
       caller's object is not modified).
-    pad_token, bos_token, eos_token: the strings of those three tokens in the file (e.g.
-      ``eos_token="<|endoftext|>"``); the template tokens keep the strings of the template.
+    pad_token, bos_token, eos_token: the strings of those three tokens in the file, as the model
+      defines them (`load_tokenizer` reads them from ``tokenizer_config.json``).
+    chat_template: the model's own Jinja chat template (`rlcode.chat_template`). Without one, the
+      built-in template of this module is used and its four tokens must be in the vocabulary;
+      with one, only the EOS token is required: a missing BOS gives ``bos_id = None`` (nothing
+      is prepended), a missing PAD pads with the EOS id, and template tokens the vocabulary
+      lacks have id None.
+    end_of_turn: strings that end an assistant turn besides EOS (e.g. ``<|eot_id|>``); they join
+      `stop_ids`. config: the ``tokenizer_config.json`` dict, written back by `save`.
 
     Every special string must be in the file's vocabulary (as an added token or a model token),
     else ValueError naming it. `vocab_size` is one more than the largest id of the file,
     without rounding: the file fixes the ids.
 
-    User text never becomes special ids: the copy registers the seven strings as special added
+    User text never becomes special ids: the copy registers the special strings as special added
     tokens and encodes with ``encode_special_tokens=True``, which makes ``tokenizers`` pass
     special strings through the model as plain text instead of matching them (by default
     ``encode(..., add_special_tokens=False)`` still maps ``"<|im_end|>"`` in the text to its
     id). A tokenizer whose model itself maps a special string to the special id (for example a
     word-level vocabulary holding ``"<|im_end|>"``) cannot give this guarantee and is rejected
     with ValueError when constructed. Truncation and padding stored in the file are disabled so
-    `encode` never drops text.
+    `encode` never drops text. Under a model's chat template only the text the template writes
+    is tokenised with special tokens recognised; message contents are plain text
+    (`rlcode.chat_template`). Tool definitions and tool-call arguments are written by the
+    template, so they are tokenised as template text.
     """
 
     def __init__(self, path_or_tokenizer: str | os.PathLike | tokenizers.Tokenizer, *,
-                 pad_token: str = PAD, bos_token: str = BOS, eos_token: str = EOS):
+                 pad_token: str | None = PAD, bos_token: str | None = BOS, eos_token: str = EOS,
+                 chat_template: str | None = None, end_of_turn: Sequence[str] = (),
+                 config: Mapping[str, Any] | None = None):
         if isinstance(path_or_tokenizer, tokenizers.Tokenizer):
             tok = tokenizers.Tokenizer.from_str(path_or_tokenizer.to_str())
             source = "the given tokenizer"
         else:
             tok = tokenizers.Tokenizer.from_file(os.fspath(path_or_tokenizer))
             source = os.fspath(path_or_tokenizer)
+        self._file_json = tok.to_str()
         tok.no_truncation()
         tok.no_padding()
 
-        roles = {PAD: pad_token, BOS: bos_token, EOS: eos_token}
-        roles.update({s: s for s in TEMPLATE_TOKENS})
-        by_role: dict[str, int] = {}
-        for role, string in roles.items():
-            token_id = tok.token_to_id(string)
-            if token_id is None:
-                what = role if role == string else f"{role} (as {string!r})"
+        def token_id(string: str, what: str, required: bool) -> int | None:
+            found = tok.token_to_id(string)
+            if found is None and required:
+                what = what if what == string else f"{what} (as {string!r})"
                 raise ValueError(f"special token {what} is missing from the vocabulary of {source}")
-            by_role[role] = token_id
+            return found
 
-        strings = list(dict.fromkeys(roles.values()))
+        if eos_token is None:
+            raise ValueError(f"{source}: an EOS token is required")
+        own_template = chat_template is not None
+        ids = {EOS: token_id(eos_token, EOS, True),
+               BOS: None if bos_token is None else token_id(bos_token, BOS, True),
+               PAD: None if pad_token is None else token_id(pad_token, PAD, not own_template)}
+        if ids[PAD] is None and not own_template:
+            raise ValueError(f"{source}: a PAD token is required by the built-in template")
+        if ids[BOS] is None and not own_template:
+            raise ValueError(f"{source}: a BOS token is required by the built-in template")
+        ids.update({s: token_id(s, s, not own_template) for s in TEMPLATE_TOKENS})
+        turn_ids = [token_id(s, "end_of_turn", True) for s in end_of_turn]
+        strings = {PAD: pad_token, BOS: bos_token, EOS: eos_token, **{s: s for s in TEMPLATE_TOKENS}}
+        registered = [strings[role] for role, i in ids.items() if i is not None] + list(end_of_turn)
+        registered = list(dict.fromkeys(registered))
         # Registering an existing token keeps its id and only marks it special, which is what
         # `encode_special_tokens` acts on (files may store e.g. <tool_call> as a plain added token).
+        self._template_tok = tokenizers.Tokenizer.from_str(tok.to_str())
         tok.add_special_tokens(
-            [tokenizers.AddedToken(s, special=True, normalized=False) for s in strings])
+            [tokenizers.AddedToken(s, special=True, normalized=False) for s in registered])
         tok.encode_special_tokens = True
 
         self._tok = tok
-        self._set_special_ids(by_role)
-        self.special_tokens = {roles[role]: token_id for role, token_id in by_role.items()}
-        self._special_ids = frozenset(by_role.values())
+        self.pad_id = ids[PAD] if ids[PAD] is not None else ids[EOS]
+        self.bos_id = ids[BOS]
+        self.eos_id = ids[EOS]
+        self.im_start_id, self.im_end_id = ids[IM_START], ids[IM_END]
+        self.tool_call_start_id, self.tool_call_end_id = ids[TOOL_CALL_START], ids[TOOL_CALL_END]
+        self.special_tokens = {strings[role]: i for role, i in ids.items() if i is not None}
+        self.special_tokens.update(dict(zip(end_of_turn, turn_ids)))
+        self._special_ids = frozenset(self.special_tokens.values())
+        self._turn_ids = [i for i in turn_ids if i is not None]
         self.vocab_size = max(tok.get_vocab(with_added_tokens=True).values()) + 1
-        for string in strings:
+        self.config = dict(config or {})
+        self.chat_template = None
+        if own_template:
+            from rlcode.chat_template import ChatTemplate  # noqa: PLC0415
+
+            self.chat_template = ChatTemplate(
+                chat_template, special={"bos_token": bos_token, "eos_token": eos_token, "pad_token": pad_token},
+                end_of_turn=list(dict.fromkeys(list(end_of_turn) + [eos_token])))
+        self.tool_call_format = "tags" if self.tool_call_start_id is not None else "json"
+        for string in registered:
             for probe in (string, f"a{string}b", f" {string} ", f"\n{string}\n"):
                 leaked = self._special_ids.intersection(self._raw_encode(probe))
                 if leaked:
@@ -357,6 +397,12 @@ class HFTokenizer(Tokenizer):
                         f"{source} encodes the plain text {probe!r} to special id(s) "
                         f"{sorted(leaked)}; its model keeps the special string whole, so user "
                         "text could forge template tokens")
+
+    @property
+    def stop_ids(self) -> list[int]:
+        """Ids that end a generation: the end-of-turn tokens, ``<|im_end|>`` and EOS."""
+        ids = self._turn_ids + ([self.im_end_id] if self.im_end_id is not None else []) + [self.eos_id]
+        return list(dict.fromkeys(ids))
 
     def _raw_encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -374,22 +420,137 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
         """Text of `ids` through the file's decoder. `skip_special` drops every special token of
-        the file (the seven of the template are registered as special); ids outside
-        [0, vocab_size) raise ValueError."""
+        the file (the template's are registered as special); ids outside [0, vocab_size) raise
+        ValueError."""
         ids = [int(token) for token in ids]
         for token in ids:
             if not 0 <= token < self.vocab_size:
                 raise ValueError(f"token id {token} is outside [0, {self.vocab_size})")
         return self._tok.decode(ids, skip_special_tokens=skip_special)
 
+    def encode_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True, *,
+                    tools: Sequence[Mapping[str, Any]] | None = None,
+                    **template_kwargs: Any) -> tuple[list[int], list[int]]:
+        """`Tokenizer.encode_chat` through the model's own chat template when it has one (tools
+        and template keywords such as ``enable_thinking`` are passed to it); otherwise the
+        built-in template (which takes neither)."""
+        if self.chat_template is None:
+            if tools or template_kwargs:
+                raise ValueError("tools and template keywords need the model's own chat template")
+            return super().encode_chat(messages, add_generation_prompt)
+        ids: list[int] = []
+        mask: list[int] = []
+        for text, kind, produced in self.chat_template.segments(
+                messages, tools=tools, add_generation_prompt=add_generation_prompt, **template_kwargs):
+            piece = self.encode(text) if kind == "content" else self._template_tok.encode(
+                text, add_special_tokens=False).ids
+            ids.extend(piece)
+            mask.extend([int(produced)] * len(piece))
+        return ids, mask
+
+    def parse_tool_calls(self, text: str) -> list[dict[str, Any]]:
+        """Tool calls of generated assistant text in this model's format: ``<tool_call>`` blocks
+        (`parse_tool_calls`) or, for templates without those tags (Llama 3), the whole turn as
+        one JSON object (`parse_json_tool_call`)."""
+        return parse_tool_calls(text) if self.tool_call_format == "tags" else parse_json_tool_call(text)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write ``tokenizer.json`` (as read) and ``tokenizer_config.json`` into directory `path`."""
+        path = os.fspath(path)
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, "tokenizer.json"), "w", encoding="utf-8") as f:
+            f.write(self._file_json)
+        strings = {i: s for s, i in self.special_tokens.items()}
+        config = dict(self.config)
+        config.update(bos_token=strings.get(self.bos_id) if self.bos_id is not None else None,
+                      eos_token=strings[self.eos_id],
+                      pad_token=strings.get(self.pad_id))
+        if self.chat_template is not None:
+            config["chat_template"] = self.chat_template.source
+        with open(os.path.join(path, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2, ensure_ascii=False)
+            f.write("\n")
+        if self._turn_ids:  # end-of-turn tokens live in generation_config.json (its other fields kept)
+            generation_file = os.path.join(path, "generation_config.json")
+            generation = {}
+            if os.path.isfile(generation_file):
+                with open(generation_file, encoding="utf-8") as f:
+                    generation = json.load(f)
+            generation["eos_token_id"] = self._turn_ids
+            with open(generation_file, "w", encoding="utf-8") as f:
+                json.dump(generation, f, indent=2)
+                f.write("\n")
+
+
+def parse_json_tool_call(text: str) -> list[dict[str, Any]]:
+    """The tool call of an assistant turn written as one JSON object (Llama 3's format:
+    ``{"name": ..., "parameters": {...}}``, optionally after ``<|python_tag|>``); [] when the
+    turn is not JSON-shaped (plain prose is not a call). Results are shaped like those of
+    `parse_tool_calls`; "parameters" is read as "arguments"."""
+    body = text.strip()
+    if body.startswith("<|python_tag|>"):
+        body = body[len("<|python_tag|>"):].strip()
+    if not body.startswith("{"):
+        return []
+    result = _parse_tool_call_body(body.replace('"parameters"', '"arguments"', 1) if '"arguments"' not in body else body)
+    result["raw"] = body
+    return [result]
+
+
+def _token_string(value: Any) -> str | None:
+    """A special-token entry of tokenizer_config.json: a string, an AddedToken dict, or null."""
+    if isinstance(value, Mapping):
+        return value.get("content")
+    return value
+
 
 def load_tokenizer(spec: str) -> Tokenizer:
-    """``"byte"`` -> `ByteTokenizer`; a ``tokenizer.json`` path (or a directory holding one) ->
-    `HFTokenizer`. Raises ValueError for anything else."""
+    """``"byte"`` -> `ByteTokenizer`; a ``tokenizer.json`` path -> `HFTokenizer` with the
+    built-in template and token names; a directory holding ``tokenizer.json`` -> `HFTokenizer`
+    as its ``tokenizer_config.json`` defines it (bos/eos/pad, the chat template, also from a
+    ``chat_template.jinja`` file; the end-of-turn ids of ``generation_config.json``). Raises
+    ValueError for anything else."""
     if spec == "byte":
         return ByteTokenizer()
-    path = os.path.join(spec, "tokenizer.json") if os.path.isdir(spec) else spec
+    if os.path.isdir(spec):
+        path = os.path.join(spec, "tokenizer.json")
+        config_file = os.path.join(spec, "tokenizer_config.json")
+        if os.path.isfile(path) and os.path.isfile(config_file):
+            return _from_directory(spec, path, config_file)
+    else:
+        path = spec
     if os.path.isfile(path):
         return HFTokenizer(path)
     raise ValueError(f"tokenizer spec {spec!r} is neither 'byte' nor a tokenizer.json file "
                      "or a directory holding one")
+
+
+def _from_directory(directory: str, path: str, config_file: str) -> HFTokenizer:
+    with open(config_file, encoding="utf-8") as f:
+        config = json.load(f)
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: the default one
+        named = {t.get("name"): t.get("template") for t in template}
+        template = named.get("default")
+    jinja_file = os.path.join(directory, "chat_template.jinja")
+    if template is None and os.path.isfile(jinja_file):
+        with open(jinja_file, encoding="utf-8") as f:
+            template = f.read()
+    eos = _token_string(config.get("eos_token"))
+    if eos is None:
+        raise ValueError(f"{config_file}: eos_token is not set")
+    end_of_turn: list[str] = []
+    generation = os.path.join(directory, "generation_config.json")
+    if os.path.isfile(generation):
+        with open(generation, encoding="utf-8") as f:
+            stop = json.load(f).get("eos_token_id")
+        raw = tokenizers.Tokenizer.from_file(path)
+        for token_id in ([stop] if isinstance(stop, int) else stop or []):
+            string = raw.id_to_token(int(token_id))
+            if string is None:
+                raise ValueError(f"{generation}: eos_token_id {token_id} is not in the vocabulary")
+            end_of_turn.append(string)
+    builtin = template is None
+    return HFTokenizer(path, pad_token=_token_string(config.get("pad_token")) or (PAD if builtin else None),
+                       bos_token=_token_string(config.get("bos_token")) or (BOS if builtin else None),
+                       eos_token=eos, chat_template=template, end_of_turn=end_of_turn, config=config)
