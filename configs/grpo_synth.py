@@ -54,6 +54,7 @@ def get_config(arg=None):
     cfg.seed = 0
     cfg.workdir = "runs/grpo_synth"
     cfg.resume = False
+    cfg.tokenizer = "byte"  # or a tokenizer.json / checkpoint directory, or "init_from" (model.init_from's files)
     cfg.resume_override = False  # resume with a changed config (see the docstring)
 
     cfg.model = model_config(**SYNTH_SHAPE)

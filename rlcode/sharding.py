@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import ml_collections
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
@@ -107,7 +108,7 @@ def place(model: Any, mesh: Mesh | None, rules: Rules = DEFAULT_RULES) -> Any:
     """Give every module of `model` that pins activations (`placement` attribute) this mesh and
     these rules (None: no mesh, no constraints); returns the model."""
     placement = None if mesh is None else Placement(mesh, tuple(rules))
-    for _, module in model.iter_modules():
+    for _, module in nnx.iter_modules(model):
         if hasattr(module, "placement"):
             module.placement = placement
     return model

@@ -209,13 +209,23 @@ class Tokenizer(abc.ABC):
 
     def encode_chat(self, messages: Sequence[Message],
                     add_generation_prompt: bool = True) -> tuple[list[int], list[int]]:
-        """Render `messages` with the template and mark the tokens the assistant produced.
+        """Render `messages` with the tokenizer's chat template (the built-in one of this module,
+        `encode_builtin_chat`, unless a subclass has its own) and mark the assistant's tokens."""
+        return self.encode_builtin_chat(messages, add_generation_prompt)
+
+    def encode_builtin_chat(self, messages: Sequence[Message],
+                            add_generation_prompt: bool = True) -> tuple[list[int], list[int]]:
+        """Render `messages` with the built-in template and mark the tokens the assistant produced.
 
         Returns ``(ids, assistant_mask)``, both of length T; ``assistant_mask[t]`` is 1 on
         assistant content, tool-call blocks and the assistant's ``<|im_end|>``, 0 elsewhere.
         Raises ValueError on an unknown role, non-string content, or tool calls on a message
         that is not from the assistant.
         """
+        missing = [s for s, i in zip(TEMPLATE_TOKENS, (self.im_start_id, self.im_end_id, self.tool_call_start_id,
+                                                        self.tool_call_end_id)) if i is None]
+        if missing:
+            raise ValueError(f"the built-in chat template needs the tokens {missing}, which this vocabulary lacks")
         ids: list[int] = []
         mask: list[int] = []
 
@@ -302,10 +312,11 @@ class HFTokenizer(Tokenizer):
     pad_token, bos_token, eos_token: the strings of those three tokens in the file, as the model
       defines them (`load_tokenizer` reads them from ``tokenizer_config.json``).
     chat_template: the model's own Jinja chat template (`rlcode.chat_template`). Without one, the
-      built-in template of this module is used and its four tokens must be in the vocabulary;
-      with one, only the EOS token is required: a missing BOS gives ``bos_id = None`` (nothing
-      is prepended), a missing PAD pads with the EOS id, and template tokens the vocabulary
-      lacks have id None.
+      built-in template of this module is used and its four tokens must be in the vocabulary
+      (unless `require_template_tokens` is False: then `encode_builtin_chat` raises instead);
+      with one, template tokens the vocabulary lacks have id None. Only EOS is required: BOS
+      None gives ``bos_id = None`` (nothing is prepended), PAD None pads with the EOS id.
+      `encode_builtin_chat` renders the built-in template whatever the tokenizer's own is.
     end_of_turn: strings that end an assistant turn besides EOS (e.g. ``<|eot_id|>``); they join
       `stop_ids`. config: the ``tokenizer_config.json`` dict, written back by `save`.
 
@@ -329,7 +340,7 @@ class HFTokenizer(Tokenizer):
     def __init__(self, path_or_tokenizer: str | os.PathLike | tokenizers.Tokenizer, *,
                  pad_token: str | None = PAD, bos_token: str | None = BOS, eos_token: str = EOS,
                  chat_template: str | None = None, end_of_turn: Sequence[str] = (),
-                 config: Mapping[str, Any] | None = None):
+                 config: Mapping[str, Any] | None = None, require_template_tokens: bool = True):
         if isinstance(path_or_tokenizer, tokenizers.Tokenizer):
             tok = tokenizers.Tokenizer.from_str(path_or_tokenizer.to_str())
             source = "the given tokenizer"
@@ -352,12 +363,8 @@ class HFTokenizer(Tokenizer):
         own_template = chat_template is not None
         ids = {EOS: token_id(eos_token, EOS, True),
                BOS: None if bos_token is None else token_id(bos_token, BOS, True),
-               PAD: None if pad_token is None else token_id(pad_token, PAD, not own_template)}
-        if ids[PAD] is None and not own_template:
-            raise ValueError(f"{source}: a PAD token is required by the built-in template")
-        if ids[BOS] is None and not own_template:
-            raise ValueError(f"{source}: a BOS token is required by the built-in template")
-        ids.update({s: token_id(s, s, not own_template) for s in TEMPLATE_TOKENS})
+               PAD: None if pad_token is None else token_id(pad_token, PAD, True)}
+        ids.update({s: token_id(s, s, not own_template and require_template_tokens) for s in TEMPLATE_TOKENS})
         turn_ids = [token_id(s, "end_of_turn", True) for s in end_of_turn]
         strings = {PAD: pad_token, BOS: bos_token, EOS: eos_token, **{s: s for s in TEMPLATE_TOKENS}}
         registered = [strings[role] for role, i in ids.items() if i is not None] + list(end_of_turn)
@@ -437,7 +444,7 @@ class HFTokenizer(Tokenizer):
         if self.chat_template is None:
             if tools or template_kwargs:
                 raise ValueError("tools and template keywords need the model's own chat template")
-            return super().encode_chat(messages, add_generation_prompt)
+            return self.encode_builtin_chat(messages, add_generation_prompt)
         ids: list[int] = []
         mask: list[int] = []
         for text, kind, produced in self.chat_template.segments(
@@ -550,7 +557,16 @@ def _from_directory(directory: str, path: str, config_file: str) -> HFTokenizer:
             if string is None:
                 raise ValueError(f"{generation}: eos_token_id {token_id} is not in the vocabulary")
             end_of_turn.append(string)
-    builtin = template is None
-    return HFTokenizer(path, pad_token=_token_string(config.get("pad_token")) or (PAD if builtin else None),
-                       bos_token=_token_string(config.get("bos_token")) or (BOS if builtin else None),
-                       eos_token=eos, chat_template=template, end_of_turn=end_of_turn, config=config)
+    return HFTokenizer(path, pad_token=_token_string(config.get("pad_token")),
+                       bos_token=_token_string(config.get("bos_token")), eos_token=eos, chat_template=template,
+                       end_of_turn=end_of_turn, config=config, require_template_tokens=False)
+
+
+def job_tokenizer(spec: str, init_from: str = "") -> Tokenizer:
+    """The tokenizer of a job's ``tokenizer`` field: ``"byte"``, a path (`load_tokenizer`), or
+    ``"init_from"`` for the tokenizer files of the checkpoint in ``model.init_from``."""
+    if spec == "init_from":
+        if not init_from:
+            raise ValueError("tokenizer='init_from' needs model.init_from (a checkpoint directory)")
+        return load_tokenizer(init_from)
+    return load_tokenizer(spec)

@@ -16,10 +16,12 @@
 3. The episode ends after a turn that called ``submit``, after ``max_turns`` turns, or when the
    token budget is exhausted.
 
-Masks: the ids of a segment are exactly the concatenation of the template's rendering of its
-messages (`Tokenizer.encode_chat`, which renders message by message), except that assistant
-tokens are the sampled ids. ``policy_mask`` is 1 on the sampled ids (including their
-``<|im_end|>``) and 0 on everything else, which is ``encode_chat``'s assistant mask whenever the
+Masks: the ids of a segment are exactly the concatenation of the built-in template's rendering
+of its messages (`Tokenizer.encode_builtin_chat`, which renders message by message; the
+``<|im_start|>`` / ``<tool_call>`` format of the Qwen family, so a tokenizer needs those tokens,
+and a model's own template is not used here), except that assistant tokens are the sampled ids.
+``policy_mask`` is 1 on the sampled ids (including their ``<|im_end|>``) and 0 on everything
+else, which is ``encode_builtin_chat``'s assistant mask whenever the
 policy's output is the template's rendering of its message (checked in the tests). ``turn_index``
 is k on the tokens from the header of generation k through the tool response to it, and on the
 prompt before the first generation of a segment.
@@ -220,7 +222,7 @@ class ScriptedPolicy:
         self.turns = list(turns)
         self.position = 0
         self.summary = summary
-        self._summary_request = tokenizer.encode_chat(
+        self._summary_request = tokenizer.encode_builtin_chat(
             [{"role": "user", "content": summary_prompt}], add_generation_prompt=True)[0]
         self.contexts: list[list[int]] = []
 
@@ -230,7 +232,7 @@ class ScriptedPolicy:
         if isinstance(turn, (list, tuple)):
             return [int(t) for t in turn]
         message = {"role": "assistant", "content": turn.get("content", ""), "tool_calls": turn.get("tool_calls", [])}
-        ids, mask = self.tokenizer.encode_chat([message], add_generation_prompt=False)
+        ids, mask = self.tokenizer.encode_builtin_chat([message], add_generation_prompt=False)
         return [t for t, m in zip(ids, mask) if m]
 
     def __call__(self, ids: Sequence[int]) -> list[int]:
@@ -272,9 +274,9 @@ class _Episode:
         self.document_tools, self.pass_documents = frozenset(document_tools), pass_documents
         self.base_messages = [{"role": "system", "content": system_prompt},
                               {"role": "user", "content": task.instruction}]
-        self.gen_prompt = tokenizer.encode_chat([], add_generation_prompt=True)[0]
+        self.gen_prompt = tokenizer.encode_builtin_chat([], add_generation_prompt=True)[0]
         self.newline = tokenizer.encode("\n")
-        self.summary_request = (tokenizer.encode_chat([{"role": "user", "content": summary_prompt}])[0]
+        self.summary_request = (tokenizer.encode_builtin_chat([{"role": "user", "content": summary_prompt}])[0]
                                 if summary_prompt is not None else None)
         self.segments: list[Segment] = []
         self.turns: list[Turn] = []
@@ -283,7 +285,7 @@ class _Episode:
         self._check_budget()
 
     def _render(self, messages) -> list[int]:
-        return self.tok.encode_chat(messages, add_generation_prompt=False)[0]
+        return self.tok.encode_builtin_chat(messages, add_generation_prompt=False)[0]
 
     def _check_budget(self) -> None:
         base = len(self._render(self.base_messages))

@@ -339,6 +339,7 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: str = "bfloat16", param_d
             raise CheckpointFormatError(f"overrides: the model config has no field {name!r}")
         section[name] = value
     cfg = ModelConfig.from_config(section)
+    family_of(cfg)  # an attention or MLP kind without this layout is refused before any reading
     where = _open_weights(path)
     maps = tensor_maps(cfg)
     expected = {m.name for m in maps}
@@ -380,6 +381,56 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: str = "bfloat16", param_d
     nnx.replace_by_pure_dict(state, params)
     model = nnx.merge(graphdef, state)
     return place(model, mesh, rules) if mesh is not None else model
+
+
+# The fields of a `model` section that a checkpoint's config.json decides.
+ARCHITECTURE_FIELDS = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "ffw_dim",
+                       "norm_eps", "qk_norm", "qkv_bias", "tie_embeddings", "rope_theta", "rope_scaling", "rope_factor",
+                       "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position")
+
+
+def resolve_model_section(section: Any) -> ml_collections.ConfigDict:
+    """A copy of a `model` config section; with ``init_from`` set, its architecture fields
+    (`ARCHITECTURE_FIELDS`) are those of the checkpoint's config.json, so every check, memory
+    estimate and saved run config sees the model that will be loaded. The section keeps what
+    it decides itself: dtypes, attention and MLP kinds, the value head."""
+    out = ml_collections.ConfigDict(section.to_dict() if hasattr(section, "to_dict") else dict(section))
+    init_from = out.get("init_from", "")
+    if not init_from:
+        return out
+    loaded = model_config_from_hf(read_config(init_from), dtype=out.dtype, param_dtype=out.param_dtype)
+    for name in ARCHITECTURE_FIELDS:
+        out[name] = loaded[name]
+    return out
+
+
+def checkpoint_fingerprint(path: str | os.PathLike) -> str:
+    """A short identity of a checkpoint directory: config.json's content and the name, size and
+    modification time of each weight file (cheap; a changed file changes it)."""
+    import hashlib  # noqa: PLC0415
+
+    path = os.fspath(path)
+    h = hashlib.sha256(json.dumps(read_config(path), sort_keys=True).encode())
+    for name in sorted(os.listdir(path)):
+        if name.endswith((".safetensors", ".json")):
+            st = os.stat(os.path.join(path, name))
+            h.update(f"{name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+def initial_model(section: Any, seed: int, *, mesh: Mesh | None = None, rules: Rules = DEFAULT_RULES) -> Transformer:
+    """The model a job starts from: `init_model` of the section, or with ``init_from`` set the
+    checkpoint (placed on `mesh` as it is read), with the section's attention kind, MLP kind
+    and value head (a new value head starts at zero)."""
+    from rlcode.models.transformer import init_model  # noqa: PLC0415
+
+    init_from = section.get("init_from", "") if hasattr(section, "get") else ""
+    if not init_from:
+        return init_model(section, seed)
+    overrides = {"attention": dict(section["attention"]), "mlp": dict(section["mlp"]),
+                 "value_head": bool(section["value_head"])}
+    return load_checkpoint(init_from, dtype=section["dtype"], param_dtype=section["param_dtype"], mesh=mesh,
+                           rules=rules, overrides=overrides)
 
 
 def _check_tied(where: Mapping[str, SafetensorsFile], path: str) -> None:
@@ -469,5 +520,6 @@ def _write_json(file: str, obj: Any) -> None:
     os.replace(tmp, file)
 
 
-__all__ = ["CheckpointFormatError", "FAMILIES", "SafetensorsError", "family_of", "hf_config", "load_checkpoint",
-           "model_config_from_hf", "read_config", "save_checkpoint", "tensor_maps"]
+__all__ = ["ARCHITECTURE_FIELDS", "CheckpointFormatError", "FAMILIES", "SafetensorsError", "checkpoint_fingerprint",
+           "family_of", "hf_config", "initial_model", "load_checkpoint", "model_config_from_hf", "read_config",
+           "resolve_model_section", "save_checkpoint", "tensor_maps"]

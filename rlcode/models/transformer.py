@@ -59,6 +59,9 @@ def model_config(**overrides: Any) -> ml_collections.ConfigDict:
             "param_dtype": "float32",
             "attention": {"kind": "dense"},
             "mlp": {"kind": "dense"},
+            # A Hugging Face checkpoint directory to start from (rlcode.models.hf); its config.json
+            # then decides the architecture fields. "" = initialise from `seed`.
+            "init_from": "",
         }
     )
     cfg.update(overrides)

@@ -40,7 +40,7 @@ from rlcode.checks import ConfigError, config_errors, flag, integer, real, schem
 from rlcode.envs import grading, rewards, tools
 from rlcode.envs.tasks import repo as repo_tasks
 from rlcode.session_sampling import PREFILL_MODES, SessionSampler, prefill_metrics
-from rlcode.tokenizer import Tokenizer
+from rlcode.tokenizer import Tokenizer, job_tokenizer
 from rlcode.train import memory
 from rlcode.train.demonstrations import ROW_MULTIPLE, expert_demonstrations, training_batch
 from rlcode.train.engine import Context, Job, Plan, RunResult, train
@@ -121,6 +121,10 @@ def validate_config(cfg: Any, num_devices: int | None = None,
     the agent's own sections (`AGENT_SECTIONS`) and constraints."""
     check_schema(cfg, AGENT_SECTIONS)
     check_common(cfg, num_devices)
+    tok = job_tokenizer(cfg.get("tokenizer", "byte"), cfg.model.get("init_from", ""))
+    if None in (tok.im_start_id, tok.im_end_id, tok.tool_call_start_id, tok.tool_call_end_id):
+        raise ConfigError(f"tokenizer={cfg.get('tokenizer', 'byte')!r}: the agent job renders episodes in the built-in "
+                          "<|im_start|> / <tool_call> chat format, whose tokens this vocabulary lacks")
     kind = cfg.model.attention.kind
     if kind not in ("dense", "squid"):
         raise ConfigError(f"model.attention.kind={kind!r}: the agent job supports 'dense' and 'squid' "

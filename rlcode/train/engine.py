@@ -46,15 +46,16 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import ml_collections
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from rlcode.losses import ObjectiveConfig
-from rlcode.models.transformer import init_model
+from rlcode.models import hf
 from rlcode.sampling import SamplingConfig
 from rlcode.sharding import make_mesh, rules_from_config
-from rlcode.tokenizer import ByteTokenizer
+from rlcode.tokenizer import Tokenizer, job_tokenizer
 from rlcode.train import memory
 from rlcode.train import sft as sft_lib
 from rlcode.train.checkpoint import Checkpointer
@@ -85,7 +86,7 @@ class Context:
     pool: Any
     writer: EventWriter
     say: Callable[[str], None]
-    tokenizer: ByteTokenizer
+    tokenizer: Tokenizer
     resources: contextlib.ExitStack
     schedule: Schedule
     objective: ObjectiveConfig
@@ -430,6 +431,9 @@ def train(cfg: Any, job: Job, *, pool: Any = None, log: Callable[[str], None] | 
     t_start = time.perf_counter()
     hooks = hooks or {}
     devices = jax.devices()
+    if cfg.model.get("init_from", ""):  # the checkpoint decides the architecture (hf.resolve_model_section)
+        cfg = ml_collections.ConfigDict(cfg.to_dict())
+        cfg.model = hf.resolve_model_section(cfg.model)
     job.validate(cfg, len(devices), memory.limits(devices))
     sched = Schedule.from_config(cfg)
     # The sections the engine hands to the library, converted once into their typed configs.
@@ -446,17 +450,18 @@ def train(cfg: Any, job: Job, *, pool: Any = None, log: Callable[[str], None] | 
         ckpt = Checkpointer(ckpt_dir, keep=sched.checkpoint_keep, async_save=True)
         resources.callback(ckpt.close)
         resources.callback(lambda: progress.close() if progress is not None else None)
-        ctx = Context(cfg, workdir, pool, writer, say, ByteTokenizer(), resources, sched, objective, sampling)
+        tokenizer = job_tokenizer(cfg.get("tokenizer", "byte"), cfg.model.get("init_from", ""))
+        ctx = Context(cfg, workdir, pool, writer, say, tokenizer, resources, sched, objective, sampling)
 
         # ---- tasks, warm start, model, train state, resume
         demos, data = job.setup(ctx)
         sft_params, sft_info = _warm_start(ctx, demos)
-        model = init_model(cfg.model, cfg.seed)
+        ctx.mesh, ctx.rules = make_mesh(cfg.mesh), rules_from_config(cfg.mesh)
+        model = hf.initial_model(cfg.model, cfg.seed, mesh=ctx.mesh, rules=ctx.rules)
         if sft_params is not None:
             gd, st = nnx.split(model)
             nnx.replace_by_pure_dict(st, sft_lib.merge_params(nnx.to_pure_dict(st), sft_params))
             model = nnx.merge(gd, st)
-        ctx.mesh, ctx.rules = make_mesh(cfg.mesh), rules_from_config(cfg.mesh)
         optimizer = make_optimizer(cfg.optim)
         ctx.graphdef, state = init_train_state(model, optimizer, cfg.seed, ctx.mesh, ctx.rules)
         ref_params = jax.tree.map(jnp.copy, state.params) if objective.kl_coef > 0 else None

@@ -98,7 +98,7 @@ class EncodedTasks:
 
 def encode_tasks(tasks: Sequence[synth.SynthTask], tokenizer: Tokenizer, max_prompt_len: int,
                  max_new_tokens: int, *, what: str = "tasks") -> EncodedTasks:
-    """Tokenise `synth.completion_prompt` (after a BOS) and `synth.completion_target` (+ EOS).
+    """Tokenise `synth.completion_prompt` (after a BOS, when the tokenizer has one) and `synth.completion_target` (+ EOS).
 
     Tasks whose prompt is longer than `max_prompt_len`, or whose reference continuation does not
     fit `max_new_tokens`, are left out (the caller sees how many through ``len``); raises if none
@@ -107,7 +107,7 @@ def encode_tasks(tasks: Sequence[synth.SynthTask], tokenizer: Tokenizer, max_pro
     bos, eos, pad = tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id
     kept, prompts, targets = [], [], []
     for task in tasks:
-        p = [bos] + tokenizer.encode(synth.completion_prompt(task))
+        p = ([] if bos is None else [bos]) + tokenizer.encode(synth.completion_prompt(task))
         t = tokenizer.encode(synth.completion_target(task)) + [eos]
         if len(p) <= max_prompt_len and len(t) <= max_new_tokens:
             kept.append(task)

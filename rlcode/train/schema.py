@@ -45,7 +45,7 @@ MODEL_SPECS = {
     "norm_eps": real(0, low_open=True), "qk_norm": flag(), "tie_embeddings": flag(), "value_head": flag(),
     "qkv_bias": flag(), "rope_scaling": text(ROPE_SCALINGS), "rope_factor": real(0, low_open=True),
     "rope_low_freq_factor": real(0, low_open=True), "rope_high_freq_factor": real(0, low_open=True),
-    "rope_original_max_position": integer(1),
+    "rope_original_max_position": integer(1), "init_from": text(required=False),
 }
 # The advantage, loss and shaping sections are checked with the Specs of the typed sections the
 # library reads them as (`AdvantageConfig`, `losses.ObjectiveConfig`, `ShapingConfig`).
@@ -96,6 +96,7 @@ def common_schema(cfg: Any) -> dict[str, Any]:
 
     return {
         "seed": SEED, "workdir": text(), "resume": flag(), "resume_override": flag(required=False),
+        "tokenizer": text(required=False),
         "objective": text(RECIPES),
         "model": model_schema(cfg.get("model", {})),
         "mesh": schema_from_defaults(mesh_config(), MESH_SPECS),
@@ -133,7 +134,7 @@ def check_common(cfg: Any, num_devices: int | None = None) -> None:
     """The constraints within and between the shared sections (after `check_schema`)."""
     from rlcode.models.moe import MoEOptions  # noqa: PLC0415
     from rlcode.models.transformer import ModelConfig  # noqa: PLC0415
-    from rlcode.tokenizer import ByteTokenizer  # noqa: PLC0415
+    from rlcode.tokenizer import job_tokenizer  # noqa: PLC0415
 
     if not cfg.workdir:
         raise ConfigError("workdir='': must name a directory")
@@ -148,7 +149,8 @@ def check_common(cfg: Any, num_devices: int | None = None) -> None:
         a = {**ATTENTION_OPTIONS["nsa"], **dict(cfg.model.attention)}
         with config_errors("model.attention"):
             check_sizes(a["block_len"], a["stride"], a["select_size"], a["num_select"], a["window"])
-    vocab = ByteTokenizer().vocab_size
+    with config_errors("tokenizer"):
+        vocab = job_tokenizer(cfg.get("tokenizer", "byte"), cfg.model.get("init_from", "")).vocab_size
     if cfg.model.vocab_size < vocab:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size}: must be >= the tokenizer's {vocab}")
     known_rules = dict(DEFAULT_RULES)

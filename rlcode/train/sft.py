@@ -29,6 +29,7 @@ from flax import nnx
 
 from rlcode import losses
 from rlcode.checks import apply_overrides
+from rlcode.models import hf
 from rlcode.models.transformer import init_model
 from rlcode.sampling import SampleOutput, to_training_batch
 from rlcode.train.checkpoint import CheckpointError, Checkpointer
@@ -96,6 +97,10 @@ def cache_key(model_cfg: Any, sft_cfg: Any, demos: Any, seed: int) -> str:
     sft = sft_cfg.to_dict() if hasattr(sft_cfg, "to_dict") else dict(sft_cfg)
     for k in ("cache_dir", "log_every"):
         sft.pop(k, None)
+    if model.get("init_from"):  # the starting weights are part of what the warm start depends on
+        model["init_from"] = hf.checkpoint_fingerprint(model["init_from"])
+    else:
+        model.pop("init_from", None)  # keys of configs written before the field existed stay valid
     h = hashlib.sha256()
     h.update(json.dumps({"model": model, "sft": sft, "seed": seed}, sort_keys=True, default=str).encode())
     for a in _demo_arrays(demos):
@@ -105,7 +110,8 @@ def cache_key(model_cfg: Any, sft_cfg: Any, demos: Any, seed: int) -> str:
 
 def train(model_cfg: Any, sft_cfg: Any, demos: Any, seed: int,
           on_step: Callable[[int, dict], None] | None = None) -> tuple[Any, list[dict]]:
-    """Train a fresh model (no value head) on `demos`; returns (pure-dict params, history).
+    """Train the job's starting model (`hf.initial_model`: fresh, or the checkpoint of
+    ``model.init_from``; no value head) on `demos`; returns (pure-dict params, history).
 
     demos: `EncodedTasks` (prompt + reference continuation) or any object with ``len()``,
     ``batch(ids) -> train-step batch`` and ``arrays() -> arrays that determine it`` (the cache
@@ -115,7 +121,7 @@ def train(model_cfg: Any, sft_cfg: Any, demos: Any, seed: int,
     """
     cfg = ml_collections.ConfigDict(model_cfg.to_dict() if hasattr(model_cfg, "to_dict") else model_cfg)
     cfg.value_head = False
-    model = init_model(cfg, seed)
+    model = hf.initial_model(cfg, seed)
     optim = optim_config(lr=sft_cfg.lr, warmup_steps=sft_cfg.warmup_steps, total_steps=sft_cfg.steps,
                          min_lr_ratio=sft_cfg.min_lr_ratio, weight_decay=sft_cfg.weight_decay,
                          grad_clip=sft_cfg.grad_clip)

@@ -6,83 +6,10 @@ import json
 
 import pytest
 import tokenizers
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from rlcode import tokenizer as tk
 from rlcode.chat_template import ChatTemplate
-
-CORPUS = ["def add(a, b):\n    return a + b\n", "Hello, how are you? Fine.", "read the file src/app.py please",
-          '{"name": "read", "arguments": {"path": "a.py"}}', "système: café ✓", "print(1)\n"] * 30
-
-# Templates in the two formats, written for these tests (not the released files).
-QWEN_STYLE = """{%- if tools %}<|im_start|>system
-{% if messages[0].role == 'system' %}{{ messages[0].content }}
-
-{% endif %}# Tools
-
-Call functions with <tool_call>{"name": ..., "arguments": ...}</tool_call>. Available:
-<tools>
-{% for tool in tools %}{{ tool | tojson }}
-{% endfor %}</tools><|im_end|>
-{% elif messages[0].role == 'system' %}<|im_start|>system
-{{ messages[0].content }}<|im_end|>
-{% endif %}
-{%- for message in messages %}
-{%- if message.role == 'system' and loop.first %}{% continue %}{% endif %}
-{%- if message.role == 'tool' %}<|im_start|>user
-<tool_response>
-{{ message.content }}
-</tool_response><|im_end|>
-{% else %}<|im_start|>{{ message.role }}
-{% generation %}{{ message.content }}
-{%- if message.tool_calls %}{% for call in message.tool_calls %}{% set fn = call.function %}
-<tool_call>
-{"name": "{{ fn.name }}", "arguments": {{ fn.arguments | tojson }}}
-</tool_call>{% endfor %}{% endif %}<|im_end|>{% endgeneration %}
-
-{% endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
-
-LLAMA_STYLE = """{{- bos_token }}
-{%- if messages and messages[0].role == 'system' %}{%- set system = messages[0].content %}{%- set rest = messages[1:] %}
-{%- else %}{%- set system = '' %}{%- set rest = messages %}{%- endif %}
-<|start_header_id|>system<|end_header_id|>
-
-{% if tools %}Environment: ipython
-Answer a call as one JSON object {"name": function name, "parameters": arguments}.
-
-{% for t in tools %}{{ t | tojson(indent=4) }}
-
-{% endfor %}{% endif %}{{ system }}<|eot_id|>
-{%- for message in rest %}
-{%- if message.role == 'assistant' and message.tool_calls %}<|start_header_id|>assistant<|end_header_id|>
-
-{% set fn = message.tool_calls[0].function %}{"name": "{{ fn.name }}", "parameters": {{ fn.arguments | tojson }}}<|eot_id|>
-{%- elif message.role == 'tool' %}<|start_header_id|>ipython<|end_header_id|>
-
-{{ message.content }}<|eot_id|>
-{%- else %}<|start_header_id|>{{ message.role }}<|end_header_id|>
-
-{{ message.content | trim }}<|eot_id|>
-{%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>
-
-{% endif %}"""
-
-FAMILIES = {
-    "qwen": dict(specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"],
-                 config={"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-                         "chat_template": QWEN_STYLE},
-                 generation_eos=None),
-    "llama": dict(specials=["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-                            "<|eot_id|>", "<|python_tag|>"],
-                  config={"bos_token": "<|begin_of_text|>", "eos_token": {"content": "<|end_of_text|>", "special": True},
-                          "chat_template": LLAMA_STYLE},
-                  generation_eos=["<|end_of_text|>", "<|eot_id|>"]),
-}
+from support import hf_families
 
 TOOLS = [{"type": "function", "function": {"name": "read", "description": "Read a file.",
                                            "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
@@ -101,22 +28,11 @@ def conversation():
     ]
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
+@pytest.fixture(scope="module", params=sorted(hf_families.TOKENIZERS))
 def family(request, tmp_path_factory):
     name = request.param
-    spec = FAMILIES[name]
-    tok = tokenizers.Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=420, special_tokens=spec["specials"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(CORPUS, trainer)
     path = tmp_path_factory.mktemp(name)
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps(spec["config"]))
-    if spec["generation_eos"]:
-        ids = [tok.token_to_id(s) for s in spec["generation_eos"]]
-        (path / "generation_config.json").write_text(json.dumps({"eos_token_id": ids}))
+    hf_families.write_tokenizer(path, name)
     return name, path, tk.load_tokenizer(str(path))
 
 
