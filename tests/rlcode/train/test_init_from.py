@@ -56,10 +56,7 @@ def test_the_synthesis_job_trains_from_the_checkpoint_with_its_tokenizer(tmp_pat
 
 
 def test_the_agent_job_accepts_a_checkpoint_whose_tokenizer_has_its_chat_tokens(tmp_path, checkpoint):
-    spec = importlib.util.spec_from_file_location("agent_repo", os.path.join(tiny_job.ROOT, "configs", "agent_repo.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    cfg = module.get_config()
+    cfg, _ = load_config_file("agent_repo")
     cfg.model.init_from = checkpoint
     cfg.tokenizer = "init_from"
     cfg.model = hf.resolve_model_section(cfg.model)
@@ -75,3 +72,25 @@ def test_the_agent_job_accepts_a_checkpoint_whose_tokenizer_has_its_chat_tokens(
     cfg.model.init_from = ""
     with pytest.raises(ConfigError, match="tokenizer.*needs model.init_from"):
         agent.validate_config(cfg, 1, [])
+
+
+def load_config_file(name, arg=None):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(tiny_job.ROOT, "configs", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(arg), module
+
+
+def test_the_pretrained_configs_need_a_checkpoint_and_take_its_architecture(checkpoint):
+    _, module = load_config_file("grpo_hf")
+    for arg in module.ARGS:
+        cfg, _ = load_config_file("grpo_hf", arg)
+        assert cfg.tokenizer == "init_from" and cfg.model.dtype == "bfloat16"
+        with pytest.raises(ConfigError, match="needs model.init_from"):
+            loop.validate_config(cfg, 1, [])
+        cfg.model.init_from = checkpoint
+        cfg.model = hf.resolve_model_section(cfg.model)
+        loop.validate_config(cfg, 1, [])
+        assert cfg.model.num_layers == 2  # the checkpoint's, not the family's published 16-28
+    with pytest.raises(ValueError, match="model='gpt2'"):
+        load_config_file("grpo_hf", "model=gpt2")
