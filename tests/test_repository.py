@@ -16,19 +16,20 @@ def readme_commands():
 
 def test_readme_opens_with_install_plus_main_job_then_tests():
     install, tests = readme_commands()[:2]
-    assert install.startswith('pip install -e ".[test]"') and "python -m experiments." in install
-    assert "pytest" in tests
+    # The main job needs no test extra (no Triton, Ray or reference libraries to download).
+    assert install.startswith("pip install -e . && ") and "python -m experiments." in install
+    assert tests.startswith('pip install -e ".[test]" && ') and "pytest" in tests
 
 
 def test_ci_runs_exactly_the_readme_test_command():
     test_command = readme_commands()[1]
     ci = open(os.path.join(ROOT, ".ci", "run")).read().splitlines()
     assert test_command in ci
-    assert any(line.startswith("pip install") and '-e ".[test]"' in line for line in ci)
 
 
 def test_top_level_layout():
-    for name in ("rlcode", "kernels", "experiments", "configs", "tests", "setup.py", "README.md", "LICENSE"):
+    for name in ("rlcode", "kernels", "experiments", "configs", "tests", "setup.py", "pyproject.toml", "README.md",
+                 "LICENSE"):
         assert os.path.exists(os.path.join(ROOT, name)), name
     assert "Apache License" in open(os.path.join(ROOT, "LICENSE")).read()
 
