@@ -146,9 +146,9 @@ def add_lora(model: Any, cfg: LoraConfig, seed: int) -> Any:
         raise ValueError("the model already has LoRA adapters")
     dtype = ADAPTER_DTYPES[cfg.dtype]
     key = jax.random.key(seed)
-    for i, block in enumerate(model.blocks()):
-        for target in cfg.targets:
-            module = _owner(block, target)
+    owners = [[_owner(block, target) for target in cfg.targets] for block in model.blocks()]  # (checks first)
+    for i, modules in enumerate(owners):
+        for module, target in zip(modules, cfg.targets):
             weight, num_in = TARGETS[target]
             w = getattr(module, weight)
             axes = w.get_metadata()["logical_axes"]
@@ -162,12 +162,15 @@ def add_lora(model: Any, cfg: LoraConfig, seed: int) -> Any:
     return model
 
 
-def adapter_mask(model: Any) -> Any:
-    """Pure-dict tree matching `nnx.to_pure_dict(nnx.state(model))`: True at adapter parameters,
-    False elsewhere (the `trainable` argument of `make_optimizer` and `make_train_step`)."""
+def adapter_mask(model: Any, also: tuple[str, ...] = ()) -> Any:
+    """Pure-dict tree matching `nnx.to_pure_dict(nnx.state(model))`: True at adapter parameters
+    and at parameters whose path has a name in `also` (e.g. a new value head), False elsewhere;
+    the `trainable` argument of `make_optimizer` and `make_train_step`."""
     state = nnx.state(model)
-    flags = jax.tree.map(lambda v: isinstance(v, nnx.LoRAParam), state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    return nnx.to_pure_dict(flags)
+    flags = nnx.to_pure_dict(jax.tree.map(lambda v: isinstance(v, nnx.LoRAParam), state,
+                                          is_leaf=lambda x: isinstance(x, nnx.Variable)))
+    return jax.tree_util.tree_map_with_path(
+        lambda path, flag: flag or any(getattr(k, "key", None) in also for k in path), flags)
 
 
 def merge_lora(model: Any) -> Any:
