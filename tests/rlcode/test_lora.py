@@ -237,3 +237,33 @@ def test_config_errors_name_the_field():
     section = lora_lib.lora_config(rank=8)
     assert lora_lib.LoraConfig.from_config(section) == lora_lib.LoraConfig(rank=8)
     assert lora_lib.LoraConfig.from_config(lora_lib.lora_config()).rank == 0
+
+
+def test_both_jobs_have_the_lora_section_and_check_it(tmp_path):
+    from rlcode.train import loop
+    from support import tiny_job
+
+    cfg = tiny_job.tiny_config(tmp_path)
+    assert lora_lib.LoraConfig.from_config(cfg.lora) == lora_lib.LoraConfig()  # off by default
+    loop.validate_config(cfg, 1)
+    for field, value, message in [("rank", -1, r"^lora\.rank=-1"), ("targets", ("q", "mlp"), r"^lora\.targets="),
+                                  ("alpha", 0.0, r"^lora\.alpha=0")]:
+        bad = tiny_job.tiny_config(tmp_path, **{f"lora__{field}": value})
+        with pytest.raises(ConfigError, match=message):
+            loop.validate_config(bad, 1)
+    from rlcode.models.moe import moe_config
+
+    moe = tiny_job.tiny_config(tmp_path, lora__rank=4)
+    moe.model.mlp = moe_config(num_experts=4, top_k=2, expert_ffw_dim=32)
+    with pytest.raises(ConfigError, match=r"lora\.targets=.*model\.mlp\.kind='moe'"):
+        loop.validate_config(moe, 1)
+    moe.lora.targets = ("q", "k", "v", "o")
+    loop.validate_config(moe, 1)
+    import importlib.util
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    spec = importlib.util.spec_from_file_location("agent_repo_config", os.path.join(root, "configs", "agent_repo.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert lora_lib.LoraConfig.from_config(module.get_config().lora) == lora_lib.LoraConfig()
