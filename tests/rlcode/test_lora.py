@@ -2,6 +2,7 @@
 adapters alone on disk, training only the adapters (bfloat16 base included), config errors."""
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -267,3 +268,31 @@ def test_both_jobs_have_the_lora_section_and_check_it(tmp_path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert lora_lib.LoraConfig.from_config(module.get_config().lora) == lora_lib.LoraConfig()
+
+
+def _count_dots(jaxpr):
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += eqn.primitive.name == "dot_general"
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    count += _count_dots(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    count += _count_dots(sub)
+    return count
+
+
+def test_frozen_weights_get_no_weight_gradient_matmuls():
+    """Differentiating only the adapters leaves out the frozen weights' gradient products."""
+    counts = {}
+    for name in ("adapters", "everything"):
+        model = lora_lib.add_lora(step_check.build()[0], lora_lib.LoraConfig(rank=4), seed=0)
+        trainable = lora_lib.adapter_mask(model) if name == "adapters" else None
+        optimizer = step_lib.make_optimizer(step_check.build()[2], trainable)
+        graphdef, state = step_lib.init_train_state(model, optimizer, seed=0)
+        train_step = step_lib.make_train_step(graphdef, step_check.build()[1], optimizer, trainable=trainable)
+        batch = {k: jnp.asarray(v) for k, v in step_check.make_batch().items()}
+        counts[name] = _count_dots(jax.make_jaxpr(train_step)(state, batch).jaxpr)
+    # 2 layers x 7 projections whose weight gradient is dropped
+    assert counts["adapters"] <= counts["everything"] - 2 * 7, counts
