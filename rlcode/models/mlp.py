@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from rlcode.models.layers import fan_in_init, make_param, project

@@ -11,7 +11,6 @@ from flax import nnx
 from rlcode.checks import ConfigError
 from rlcode.models import hf
 from rlcode.models import lora as lora_lib
-from rlcode.models.attention import AttentionMask
 from rlcode.models.transformer import init_model, model_config
 from rlcode.train import step as step_lib
 
