@@ -27,6 +27,7 @@ import ml_collections
 from rlcode.checks import parse_config_arg
 from rlcode.envs.rewards import reward_config
 from rlcode.models.attention import attention_config
+from rlcode.models.lora import lora_config
 from rlcode.models.transformer import model_config
 from rlcode.recipes import RECIPES, recipe
 from rlcode.sharding import mesh_config
@@ -92,6 +93,8 @@ def get_config(arg=None):
     cfg.train = ml_collections.ConfigDict({"steps": 200, "max_minutes": 30.0, "microbatches": 1, "epochs": 1})
     cfg.optim = optim_config(lr=1e-4, warmup_steps=5, weight_decay=0.0, grad_clip=1.0)
     cfg.optim.total_steps = cfg.train.get_ref("steps")
+    # LoRA adapters (rank 0 = off: every parameter trains); e.g. --config.lora.rank=16.
+    cfg.lora = lora_config()
     cfg.eval = ml_collections.ConfigDict({"every": 25, "num_samples": 2, "at_start": True, "at_end": True,
                                           "batch_rows": 40})
     cfg.log = ml_collections.ConfigDict({"text_every": 10, "record_every": 10})

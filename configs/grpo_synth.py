@@ -29,6 +29,7 @@ import ml_collections
 
 from rlcode.checks import parse_config_arg
 from rlcode.models.attention import attention_config
+from rlcode.models.lora import lora_config
 from rlcode.models.moe import moe_config
 from rlcode.models.transformer import model_config
 from rlcode.recipes import RECIPES, recipe
@@ -105,6 +106,8 @@ def get_config(arg=None):
                                            "max_minutes": 0.0})
     cfg.optim = optim_config(lr=3e-4, warmup_steps=10, weight_decay=0.0, grad_clip=1.0)
     cfg.optim.total_steps = cfg.train.get_ref("steps")
+    # LoRA adapters (rank 0 = off: every parameter trains); e.g. --config.lora.rank=16.
+    cfg.lora = lora_config()
     cfg.eval = ml_collections.ConfigDict(
         {"every": 50, "num_samples": 16, "ks": (1, 4, 16), "prompts_per_batch": 16, "at_start": True, "at_end": True})
     cfg.log = ml_collections.ConfigDict({"text_every": 25, "num_texts": 4})

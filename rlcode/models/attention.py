@@ -28,7 +28,7 @@ from flax import nnx
 
 from kernels import nsa as nsa_kernels
 from kernels import squid as squid_kernels
-from rlcode.models.layers import RMSNorm, apply_rope, fan_in_init, make_param
+from rlcode.models.layers import RMSNorm, apply_rope, fan_in_init, make_param, project
 from rlcode.models.registry import ATTENTION
 from rlcode.sharding import constrain
 
@@ -86,7 +86,8 @@ class AttentionMask(NamedTuple):
 
 class QKVProjection(nnx.Module):
     """Grouped-query projections with optional biases (`qkv_bias`), QK-norm (RMSNorm over the
-    head dim, after the biases) and RoPE."""
+    head dim, after the biases) and RoPE. `rlcode.models.lora.add_lora` may give a projection a
+    low-rank adapter (attribute lora_q, lora_k, lora_v or lora_o)."""
 
     def __init__(self, cfg: Any, *, rngs: nnx.Rngs):
         self.placement = None  # where activations are pinned: set by rlcode.sharding.place
@@ -111,9 +112,9 @@ class QKVProjection(nnx.Module):
     def qkv(self, x_btd: jax.Array, positions_bt: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         dt = self.cfg.dtype
         x = x_btd.astype(dt)
-        q = jnp.einsum("btd,dnh->btnh", x, self.wq[...].astype(dt))
-        k = jnp.einsum("btd,dkh->btkh", x, self.wk[...].astype(dt))
-        v = jnp.einsum("btd,dkh->btkh", x, self.wv[...].astype(dt))
+        q = project("btd,dnh->btnh", x, self.wq[...].astype(dt), getattr(self, "lora_q", None))
+        k = project("btd,dkh->btkh", x, self.wk[...].astype(dt), getattr(self, "lora_k", None))
+        v = project("btd,dkh->btkh", x, self.wv[...].astype(dt), getattr(self, "lora_v", None))
         if self.cfg.qkv_bias:
             q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[...].astype(dt)
         if self.cfg.qk_norm:
@@ -127,7 +128,7 @@ class QKVProjection(nnx.Module):
 
     def out(self, o_btnh: jax.Array) -> jax.Array:
         dt = self.cfg.dtype
-        return jnp.einsum("btnh,nhd->btd", o_btnh.astype(dt), self.wo[...].astype(dt))
+        return project("btnh,nhd->btd", o_btnh.astype(dt), self.wo[...].astype(dt), getattr(self, "lora_o", None))
 
 
 def _masked_partial_attention(q_bkrh, k_bskh, v_bskh, valid_bs, scale):

@@ -1,4 +1,5 @@
-"""Building blocks shared by the model's modules: parameters with logical axes, RMSNorm, RoPE.
+"""Building blocks shared by the model's modules: parameters with logical axes, projections,
+RMSNorm, RoPE.
 
 Every parameter carries `logical_axes` metadata (one name per dimension, e.g. ("embed", "mlp"));
 `rlcode.sharding` maps those names to mesh axes with the rules from the config.
@@ -28,6 +29,13 @@ def make_param(
     if len(axes) != len(shape):
         raise ValueError(f"logical axes {axes} do not match shape {shape}")
     return nnx.Param(init(rngs.params(), shape, dtype), logical_axes=axes)
+
+
+def project(eq: str, x: jax.Array, w: jax.Array, adapter: Callable | None = None) -> jax.Array:
+    """`einsum(eq, x, w)`, plus the low-rank update of a LoRA adapter when the projection has one
+    (`rlcode.models.lora`: adapter(x, eq) = scale (x A) B, never materialising W + scale A B)."""
+    y = jnp.einsum(eq, x, w)
+    return y if adapter is None else y + adapter(x, eq)
 
 
 class RMSNorm(nnx.Module):

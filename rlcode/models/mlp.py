@@ -13,10 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
-from rlcode.models.layers import fan_in_init, make_param
+from rlcode.models.layers import fan_in_init, make_param, project
 from rlcode.models.registry import MLP
 from rlcode.sharding import constrain
 
@@ -25,7 +24,8 @@ make_mlp = MLP.build
 
 
 class SwiGLU(nnx.Module):
-    """y = W_down (silu(x W_gate) * (x W_up)) (Shazeer 2020, arXiv 2002.05202)."""
+    """y = W_down (silu(x W_gate) * (x W_up)) (Shazeer 2020, arXiv 2002.05202). Each projection may
+    have a low-rank adapter (lora_gate, lora_up, lora_down: `rlcode.models.lora.add_lora`)."""
 
     def __init__(self, cfg: Any, *, rngs: nnx.Rngs):
         self.placement = None  # where activations are pinned: set by rlcode.sharding.place
@@ -38,7 +38,7 @@ class SwiGLU(nnx.Module):
     def __call__(self, x_btd: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         dt = self.dtype
         x = x_btd.astype(dt)
-        gate = jnp.einsum("btd,df->btf", x, self.w_gate[...].astype(dt))
-        up = jnp.einsum("btd,df->btf", x, self.w_up[...].astype(dt))
+        gate = project("btd,df->btf", x, self.w_gate[...].astype(dt), getattr(self, "lora_gate", None))
+        up = project("btd,df->btf", x, self.w_up[...].astype(dt), getattr(self, "lora_up", None))
         h = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"), self.placement)
-        return jnp.einsum("btf,fd->btd", h, self.w_down[...].astype(dt)), {}
+        return project("btf,fd->btd", h, self.w_down[...].astype(dt), getattr(self, "lora_down", None)), {}

@@ -7,8 +7,10 @@ batch, evaluate. `train(cfg, job)` owns the rest, with one definition of every s
 
 * the run directory (`rlcode.train.workdir.prepare_workdir`: config.json, resume checks),
   TensorBoard writer, checkpointer, sandbox pool, signals and progress bar;
-* the warm start: SFT on the job's demonstrations (cached), merged into a fresh model, the
-  train state on the mesh, and the reference parameters when a KL term needs them;
+* the warm start: SFT on the job's demonstrations (cached), merged into a fresh model, LoRA
+  adapters on it when ``lora.rank`` > 0 (then only the adapters and a value head train,
+  `rlcode.models.lora`), the train state on the mesh, and the reference parameters when a KL
+  term needs them;
 * resume from the latest checkpoint (state, step, and the first evaluation, read from the
   checkpoint's metrics);
 * sync or async sampling (`ParamStore`, `AsyncSampler`: the job's collect runs in a background
@@ -53,6 +55,7 @@ from flax import nnx
 
 from rlcode.losses import ObjectiveConfig
 from rlcode.models import hf
+from rlcode.models.lora import LoraConfig, adapter_mask, add_lora
 from rlcode.sampling import SamplingConfig
 from rlcode.sharding import make_mesh, rules_from_config
 from rlcode.tokenizer import Tokenizer, job_tokenizer
@@ -462,7 +465,13 @@ def train(cfg: Any, job: Job, *, pool: Any = None, log: Callable[[str], None] | 
             gd, st = nnx.split(model)
             nnx.replace_by_pure_dict(st, sft_lib.merge_params(nnx.to_pure_dict(st), sft_params))
             model = nnx.merge(gd, st)
-        optimizer = make_optimizer(cfg.optim)
+        # LoRA: adapters on the (warm-started) model; only they train (and the value head, new).
+        lora = LoraConfig.from_config(cfg.lora)
+        trainable = None
+        if lora.rank > 0:
+            model = add_lora(model, lora, cfg.seed)
+            trainable = adapter_mask(model, also=("value_w", "value_b"))
+        optimizer = make_optimizer(cfg.optim, trainable)
         ctx.graphdef, state = init_train_state(model, optimizer, cfg.seed, ctx.mesh, ctx.rules)
         ref_params = jax.tree.map(jnp.copy, state.params) if objective.kl_coef > 0 else None
         start, first_eval = 0, None
@@ -477,7 +486,7 @@ def train(cfg: Any, job: Job, *, pool: Any = None, log: Callable[[str], None] | 
         train_step = make_train_step(ctx.graphdef, objective, optimizer, microbatches=sched.microbatches,
                                      temperature=sampling.temperature, top_k=sampling.top_k or None,
                                      top_p=sampling.top_p, mesh=ctx.mesh, rules=ctx.rules,
-                                     shardings=state_shardings(state), log_entropy=True)
+                                     shardings=state_shardings(state), log_entropy=True, trainable=trainable)
         plan = job.plan(ctx, data)
         G = cfg.rollout.group_size
         split = plan.minibatches or (lambda batch, num, rng: split_groups(batch, num, G, rng))

@@ -89,6 +89,7 @@ def model_schema(model: Any) -> dict[str, Any]:
 def common_schema(cfg: Any) -> dict[str, Any]:
     """The fields every job has: top-level run settings and the shared sections, whose fields are
     those their builders (`optim_config`, `sft_config`, ...) return."""
+    from rlcode.models.lora import LORA_SPECS, lora_config  # noqa: PLC0415
     from rlcode.recipes import advantage_config  # noqa: PLC0415
     from rlcode.sharding import mesh_config  # noqa: PLC0415
     from rlcode.train.sft import sft_config  # noqa: PLC0415
@@ -105,6 +106,7 @@ def common_schema(cfg: Any) -> dict[str, Any]:
         "shaping": dict(SHAPING_SPECS),
         "sft": schema_from_defaults(sft_config(), SFT_SPECS),
         "optim": schema_from_defaults(optim_config(), OPTIM_SPECS),
+        "lora": schema_from_defaults(lora_config(), LORA_SPECS),
         "checkpoint": {"every": integer(0), "keep": integer(1)},
     }
 
@@ -132,6 +134,7 @@ def mesh_sizes(mesh: Any, num_devices: int | None) -> dict[str, int]:
 
 def check_common(cfg: Any, num_devices: int | None = None) -> None:
     """The constraints within and between the shared sections (after `check_schema`)."""
+    from rlcode.models.lora import MLP_TARGETS, LoraConfig  # noqa: PLC0415
     from rlcode.models.moe import MoEOptions  # noqa: PLC0415
     from rlcode.models.transformer import ModelConfig  # noqa: PLC0415
     from rlcode.tokenizer import job_tokenizer  # noqa: PLC0415
@@ -167,6 +170,12 @@ def check_common(cfg: Any, num_devices: int | None = None) -> None:
         AdvantageConfig.from_config(cfg.advantage)
     with config_errors("shaping"):
         ShapingConfig.from_config(cfg.shaping)
+    with config_errors("lora"):
+        lora = LoraConfig.from_config(cfg.lora)
+    mlp_targets = [t for t in lora.targets if t in MLP_TARGETS]
+    if lora.rank > 0 and cfg.model.mlp["kind"] != "dense" and mlp_targets:
+        raise ConfigError(f"lora.targets={lora.targets!r}: {mlp_targets} adapt the dense MLP, the model's is "
+                          f"model.mlp.kind={cfg.model.mlp['kind']!r} (target only q, k, v, o)")
     if cfg.sft.steps > 0 and cfg.sft.batch_size % cfg.sft.microbatches:
         raise ConfigError(f"sft.batch_size={cfg.sft.batch_size} is not divisible by sft.microbatches="
                           f"{cfg.sft.microbatches}")

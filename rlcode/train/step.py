@@ -84,13 +84,22 @@ def lr_schedule(cfg: Any) -> optax.Schedule:
     return schedule
 
 
-def make_optimizer(cfg: Any) -> optax.GradientTransformation:
-    """Global-norm clipping then AdamW; weight decay only on matrices (not norms or biases)."""
+def make_optimizer(cfg: Any, trainable: Any = None) -> optax.GradientTransformation:
+    """Global-norm clipping then AdamW; weight decay only on matrices (not norms or biases).
+
+    trainable: None (train every parameter) or a tree of bools matching the params (e.g.
+    `rlcode.models.lora.adapter_mask`): only the True leaves are clipped, updated and get
+    optimizer moments; the others get zero updates and no optimizer state.
+    """
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
-    return optax.chain(
+    tx = optax.chain(
         optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip else optax.identity(),
         optax.adamw(lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask),
     )
+    if trainable is None:
+        return tx
+    labels = jax.tree.map(lambda t: "train" if t else "frozen", trainable)
+    return optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()}, labels)
 
 
 def batch_sharding(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> NamedSharding:
@@ -174,6 +183,7 @@ def make_train_step(
     rules: Rules = DEFAULT_RULES,
     shardings: Any = None,
     log_entropy: bool = False,
+    trainable: Any = None,
 ) -> Callable[[TrainState, dict[str, jax.Array]], tuple[TrainState, dict[str, jax.Array]]]:
     """Build `train_step(state, batch) -> (state, metrics)`, jitted, donating the state.
 
@@ -193,6 +203,10 @@ def make_train_step(
         see `state_shardings`) and the batch sharded over the data axes.
       log_entropy: report the policy's mean entropy (`entropy` metric) even when
         loss.entropy_coef is 0 (costs one more pass over each log-prob chunk).
+      trainable: None, or the tree of bools given to `make_optimizer`: gradients are taken
+        with respect to the True leaves only (the others enter the loss as constants, so no
+        weight gradient is computed for them; their gradients read as zero) and the other
+        parameters are carried over unchanged.
     """
     expect_type(objective, losses.ObjectiveConfig, "objective")
     need_entropy = objective.entropy_coef > 0 or log_entropy
@@ -213,6 +227,22 @@ def make_train_step(
             metrics[f"aux_{name}"] = jax.lax.stop_gradient(value)
         return num, den, metrics
 
+    def gradients(params, mbs):
+        if trainable is None:
+            return losses.accumulate_gradients(terms_fn, params, mbs)
+        leaves, treedef = jax.tree.flatten(params)
+        flags = treedef.flatten_up_to(trainable)
+
+        def with_frozen(trained):
+            it = iter(trained)
+            return treedef.unflatten([next(it) if f else p for p, f in zip(leaves, flags)])
+
+        trained = [p for p, f in zip(leaves, flags) if f]
+        loss, grads, metrics = losses.accumulate_gradients(lambda t, mb: terms_fn(with_frozen(t), mb), trained, mbs)
+        it = iter(grads)
+        grads = treedef.unflatten([next(it) if f else jnp.zeros_like(p) for p, f in zip(leaves, flags)])
+        return loss, grads, metrics
+
     def step_fn(state: TrainState, batch: dict[str, jax.Array]):
         missing = [k for k in BATCH_KEYS if k not in batch]
         if missing:
@@ -221,9 +251,11 @@ def make_train_step(
         if B % microbatches:
             raise ValueError(f"batch size {B} is not divisible by microbatches={microbatches}")
         mbs = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(B // microbatches, microbatches, *x.shape[1:]), 0, 1), batch)
-        loss, grads, metrics = losses.accumulate_gradients(terms_fn, state.params, mbs)
+        loss, grads, metrics = gradients(state.params, mbs)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        if trainable is not None:
+            params = jax.tree.map(lambda t, new, old: new if t else old, trainable, params, state.params)
         params = rebalance_routers(graphdef, state.params, params, metrics)
         metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads), update_norm=optax.tree.norm(updates))
         if schedule is not None:

@@ -17,6 +17,7 @@ from rlcode import losses, recipes
 from rlcode.advantages import AdvantageConfig
 from rlcode.checks import ConfigError
 from rlcode.envs import rewards
+from rlcode.models.lora import LoraConfig, lora_config
 from rlcode.sampling import SamplingConfig
 from rlcode.train import rollout
 
@@ -66,6 +67,9 @@ SECTIONS = [
      [("temperature", 0.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1), ("max_new_tokens", 0)]),
     ("agent_sampling", SamplingConfig, "sampling", AGENT.sampling, "top_pp", "top_p",
      [("temperature", -1.0), ("stop_ids", "2")]),
+    ("synth_lora", LoraConfig, "lora", SYNTH.lora, "rnak", "rank",
+     [("rank", -1), ("rank", 2.0), ("alpha", 0.0), ("targets", ("q", "x")), ("targets", ()), ("dtype", "float16")]),
+    ("agent_lora", LoraConfig, "lora", AGENT.lora, "target", "targets", [("targets", "q")]),
 ]
 IDS = [s[0] for s in SECTIONS]
 
@@ -130,7 +134,7 @@ def test_builders_are_the_dataclass_defaults():
     """The default sections the configs embed hold exactly the dataclasses' fields and defaults."""
     pairs = [(losses.loss_config(), losses.ObjectiveConfig()), (recipes.advantage_config(), AdvantageConfig()),
              (recipes.shaping_config(), recipes.ShapingConfig()), (rewards.reward_config(), rewards.RewardConfig()),
-             (rewards.synth_reward_config(), rewards.SynthRewardConfig())]
+             (rewards.synth_reward_config(), rewards.SynthRewardConfig()), (lora_config(), LoraConfig())]
     for section, default in pairs:
         assert type(default).from_config(section) == default
     with pytest.raises(ValueError, match="unknown advantage config field"):

@@ -181,3 +181,31 @@ def test_async_mode_serves_any_job(tmp_path):
     assert versions[0] == 0 and all(b - a in (0, 1) for a, b in zip(versions, versions[1:]))
     scalars = read_scalars(tmp_path / "run" / "tb")
     assert max(v for _, v in scalars["async/staleness"]) <= 1
+
+
+def test_lora_trains_only_the_adapters(tmp_path):
+    """lora.rank > 0: the engine adds adapters after the warm start and only they change."""
+    import jax
+
+    seen = []
+
+    class Recording(FakeJob):
+        def plan(self, ctx, data):
+            plan = super().plan(ctx, data)
+
+            def evaluate(params, step):
+                seen.append(jax.tree_util.tree_leaves_with_path(jax.tree.map(np.asarray, params)))
+                return plan.evaluate(params, step)
+
+            return dataclasses.replace(plan, evaluate=evaluate)
+
+    result = run(config(tmp_path, steps=2, lora__rank=4, lora__targets=("q", "v", "down")), Recording())
+    assert result.completed and len(seen) == 2
+    names = [jax.tree_util.keystr(path) for path, _ in seen[0]]
+    assert sum("lora_" in n for n in names) == 2 * 3  # one layer, three targets, A and B each
+    for (path, before), (_, after) in zip(*seen):
+        name = jax.tree_util.keystr(path)
+        if "lora_" not in name:
+            np.testing.assert_array_equal(after, before, err_msg=name)
+        elif name.endswith("['b']"):
+            assert not np.array_equal(after, before), name
