@@ -92,7 +92,7 @@ def _imported_for_interpreter() -> bool:
 def available() -> str | None:
     """None when `triton_call` can run here as configured, else the reason it cannot."""
     if not HAVE_TRITON:
-        return "triton is not installed (it ships Linux wheels only)"
+        return "triton is not installed (pip install -e '.[triton]' on Linux, where it has wheels)"
     if interpreting():
         return None
     if not on_gpu():

@@ -284,3 +284,23 @@ def test_a_loaded_model_samples_scores_trains_and_checkpoints_unchanged(tmp_path
     finally:
         ckpt.close()
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), state.params, restored.params)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="loads a 0.5B-parameter checkpoint onto the GPU mesh")
+def test_a_real_size_checkpoint_loads_onto_the_gpu_mesh(tmp_path):
+    import time
+
+    from experiments import bench_load
+    from rlcode.sharding import make_mesh, mesh_config
+
+    bench_load.write_random(str(tmp_path), "qwen2.5-0.5b", shard_mb=512)
+    mesh = make_mesh(mesh_config(data=1, fsdp=-1))
+    t0 = time.perf_counter()
+    model = hf.load_checkpoint(tmp_path, mesh=mesh)
+    jax.block_until_ready(nnx.state(model))
+    seconds = time.perf_counter() - t0
+    count = sum(x.size for x in jax.tree.leaves(nnx.state(model)))
+    print(f"loaded {count / 1e6:.1f}M parameters onto {len(jax.devices())} device(s) in {seconds:.2f} s")
+    assert count == 494_032_768  # Qwen2.5-0.5B with tied embeddings
+    tokens = jnp.asarray([[1, 2, 3, 4]], jnp.int32)
+    assert np.all(np.isfinite(np.asarray(model.logits(model(tokens).hidden), np.float32)))
