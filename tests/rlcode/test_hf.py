@@ -228,7 +228,24 @@ specs = {"wq": list(a["block_0"]["attn"]["proj"]["wq"].sharding.spec),
 tokens = jax.numpy.asarray([[3, 1, 4, 1, 5, 9, 2, 6]], jax.numpy.int32)
 out = jax.jit(lambda m, t: m.logits(m(t).hidden))(sharded, tokens)
 ref = plain.logits(plain(tokens).hidden)
-print(json.dumps({"same": bool(same), "specs": specs, "logits_err": float(np.max(np.abs(np.asarray(out) - np.asarray(ref))))}))
+# One train step on the mesh equals the step on one device.
+from rlcode import losses
+from rlcode.train import step as step_lib
+rng = np.random.default_rng(0)
+batch = {"inputs": rng.integers(0, 97, (4, 12)).astype(np.int32), "targets": rng.integers(0, 97, (4, 12)).astype(np.int32),
+         "positions": np.tile(np.arange(12, dtype=np.int32), (4, 1)), "mask": (rng.random((4, 12)) < 0.7).astype(np.float32),
+         "kv_lengths": np.full((4,), 12, np.int32), "advantages": rng.normal(size=(4, 12)).astype(np.float32),
+         "old_logp": np.full((4, 12), -4.0, np.float32)}
+objective = losses.ObjectiveConfig.from_config(losses.loss_config())
+losses_seen = []
+for m, mesh_ in ((sharded, mesh), (plain, None)):
+    opt = step_lib.make_optimizer(step_lib.optim_config(lr=1e-3, warmup_steps=0))
+    gd, state = step_lib.init_train_state(m, opt, 0, mesh_)
+    fn = step_lib.make_train_step(gd, objective, opt, mesh=mesh_, shardings=step_lib.state_shardings(state) if mesh_ else None)
+    state, metrics = fn(state, {k: jax.numpy.asarray(v) for k, v in batch.items()})
+    losses_seen.append(float(metrics["loss"]))
+print(json.dumps({"same": bool(same), "specs": specs, "logits_err": float(np.max(np.abs(np.asarray(out) - np.asarray(ref)))),
+                  "step_losses": losses_seen}))
 """
 
 
@@ -242,6 +259,8 @@ def test_loading_onto_a_mesh_places_each_parameter_on_its_sharding(tmp_path):
     assert result["same"]
     assert result["specs"] == {"wq": ["fsdp", "tensor", None], "w_down": ["tensor", "fsdp"], "devices": 4}
     assert result["logits_err"] < 1e-5
+    sharded_loss, plain_loss = result["step_losses"]
+    assert abs(sharded_loss - plain_loss) <= 1e-5 * max(1.0, abs(plain_loss)), result["step_losses"]
 
 
 @pytest.mark.parametrize("family", hf_families.FAMILIES)
