@@ -303,6 +303,58 @@ class ByteTokenizer(Tokenizer):
         parts.append(run.decode("utf-8", errors="replace"))
         return "".join(parts)
 
+    def save(self, path: str | os.PathLike) -> None:
+        """Write this tokenizer as Hugging Face files into directory `path`: a byte-level
+        ``tokenizer.json`` with the same ids (each byte one token, no merges; the padding ids as
+        reserved special tokens), ``tokenizer_config.json`` with the built-in template as a Jinja
+        chat template (`BUILTIN_CHAT_TEMPLATE`), and ``generation_config.json`` whose stop ids
+        are `stop_ids`. `load_tokenizer(path)` then encodes text and conversations to the same ids
+        and masks, and a model exported with it can be served by Hugging Face tools."""
+        from tokenizers import decoders, models, pre_tokenizers  # noqa: PLC0415
+
+        path = os.fspath(path)
+        os.makedirs(path, exist_ok=True)
+        table = _byte_level_alphabet()
+        tok = tokenizers.Tokenizer(models.BPE({table[b]: b for b in range(256)}, []))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        reserved = [f"<|reserved_{i}|>" for i in range(256 + len(SPECIAL_TOKENS), self.vocab_size)]
+        tok.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False)
+                                for t in list(SPECIAL_TOKENS) + reserved])
+        tok.save(os.path.join(path, "tokenizer.json"))
+        config = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "chat_template": BUILTIN_CHAT_TEMPLATE,
+                  "tokenizer_class": "PreTrainedTokenizerFast"}
+        with open(os.path.join(path, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2)
+            f.write("\n")
+        with open(os.path.join(path, "generation_config.json"), "w", encoding="utf-8") as f:
+            json.dump({"eos_token_id": self.stop_ids, "pad_token_id": self.pad_id, "bos_token_id": self.bos_id}, f,
+                      indent=2)
+            f.write("\n")
+
+
+# The built-in template (module docstring) in Jinja, for the files `ByteTokenizer.save` writes.
+BUILTIN_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}"
+    "{% for call in message.tool_calls or [] %}{% set fn = call.function if call.function is defined else call %}"
+    "<tool_call>{{ {'name': fn.name, 'arguments': fn.arguments} | tojson(ensure_ascii=True, sort_keys=True) }}"
+    "</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _byte_level_alphabet() -> dict[int, str]:
+    """byte -> the printable character byte-level BPE files use for it: printable Latin-1 bytes
+    stand for themselves, the others for code points from 256 up, in byte order."""
+    keep = [b for b in range(256) if 33 <= b <= 126 or 161 <= b <= 172 or 174 <= b <= 255]
+    table = {b: chr(b) for b in keep}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
 
 class HFTokenizer(Tokenizer):
     """A Hugging Face ``tokenizers`` tokenizer (a ``tokenizer.json``) behind `Tokenizer`.

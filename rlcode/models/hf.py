@@ -458,7 +458,8 @@ def save_checkpoint(model: Transformer, path: str | os.PathLike, *, tokenizer: A
     dtype: the stored dtype (default: the parameters' own, which round-trips exactly).
     max_shard_bytes: above this the weights are split into ``model-0000i-of-0000n.safetensors``
       with an index; otherwise one ``model.safetensors``. tokenizer: anything with a
-      ``save(path)`` method (`rlcode.tokenizer.HFTokenizer`) writes its files beside the weights.
+      ``save(path)`` method (`rlcode.tokenizer.HFTokenizer`, `ByteTokenizer`) writes its files
+      beside the weights.
     extra_config: additional config.json fields (`hf_config`). A value head, which the layout has
     no place for, is not written.
     """

@@ -170,3 +170,22 @@ def test_a_checkpoint_export_carries_the_tokenizer(family, tmp_path):
     again = tk.load_tokenizer(str(tmp_path))
     assert again.encode_chat(conversation()) == tok.encode_chat(conversation())
     assert hf.load_checkpoint(tmp_path, dtype="float32").cfg.vocab_size == tok.vocab_size
+
+
+def test_the_byte_tokenizer_exports_files_that_encode_to_the_same_ids(tmp_path):
+    byte = tk.ByteTokenizer()
+    byte.save(tmp_path)
+    again = tk.load_tokenizer(str(tmp_path))
+    assert isinstance(again, tk.HFTokenizer) and again.vocab_size == byte.vocab_size
+    assert (again.bos_id, again.eos_id, again.pad_id) == (byte.bos_id, byte.eos_id, byte.pad_id)
+    assert sorted(again.stop_ids) == sorted(byte.stop_ids)
+    for text in ("def f(x):\n\treturn x  # café ✓ 你好 🙂\r\n", "<|im_end|> is plain text here", "\x00\x7f ÿ"):
+        assert again.encode(text) == byte.encode(text)
+        assert again.decode(again.encode(text)) == text
+    messages = conversation() + [{"role": "assistant", "content": "",
+                                  "tool_calls": [{"name": "edit", "arguments": {"text": "naïve → ok", "n": 2}}]}]
+    for generation_prompt in (False, True):
+        assert again.encode_chat(messages, add_generation_prompt=generation_prompt) == \
+            byte.encode_chat(messages, add_generation_prompt=generation_prompt)
+    assert transformers_render(tmp_path, messages, add_generation_prompt=True) == byte.decode(
+        byte.encode_chat(messages, add_generation_prompt=True)[0])
