@@ -15,7 +15,7 @@ from rlcode.models.transformer import init_model, model_config
 from rlcode.train import step as step_lib
 
 from support import step_check
-from support.hf_families import write_checkpoint
+from support.hf_families import FAMILIES, write_checkpoint
 
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 7)), jnp.int32)
 
@@ -194,8 +194,25 @@ def dataclass_fields(cfg):
     return {"rank": cfg.rank, "alpha": cfg.alpha, "targets": cfg.targets, "dtype": cfg.dtype}
 
 
-def test_lora_on_a_hugging_face_checkpoint_merges_and_exports(tmp_path):
-    write_checkpoint(tmp_path / "src", "qwen2")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lora_on_a_bfloat16_checkpoint_base_trains_only_the_adapters(tmp_path, family):
+    """QLoRA-style: a checkpoint of each family loaded as a bfloat16 base under float32 adapters."""
+    write_checkpoint(tmp_path / "src", family)
+    model = hf.load_checkpoint(tmp_path / "src", dtype="float32", param_dtype="bfloat16")
+    lora_lib.add_lora(model, lora_lib.LoraConfig(rank=4), seed=0)
+    trainable = lora_lib.adapter_mask(model)
+    before, after, _, metrics = _train_one_step(model, trainable, V=model.cfg.vocab_size, value_coef=0.0)
+    assert np.isfinite(float(metrics["loss"]))
+    for old, new, flag in zip(jax.tree.leaves(before), jax.tree.leaves(after), jax.tree.leaves(trainable)):
+        assert (old.dtype == np.float32) if flag else (old.dtype == jnp.bfloat16)
+        assert flag or np.array_equal(old, new)
+    assert any(not np.array_equal(o, n) for o, n, f in zip(jax.tree.leaves(before), jax.tree.leaves(after),
+                                                           jax.tree.leaves(trainable)) if f)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lora_on_a_hugging_face_checkpoint_merges_and_exports(tmp_path, family):
+    write_checkpoint(tmp_path / "src", family)
     model = hf.load_checkpoint(tmp_path / "src", dtype="float32", param_dtype="float32")
     V = model.cfg.vocab_size
     tokens = jnp.asarray(np.random.default_rng(3).integers(0, V, (2, 6)), jnp.int32)
