@@ -30,6 +30,7 @@ from flax import nnx
 from rlcode import losses
 from rlcode.checks import apply_overrides
 from rlcode.models import hf
+from rlcode.train.workdir import ADDED_FIELDS
 from rlcode.models.transformer import init_model
 from rlcode.sampling import SampleOutput, to_training_batch
 from rlcode.train.checkpoint import CheckpointError, Checkpointer
@@ -99,8 +100,11 @@ def cache_key(model_cfg: Any, sft_cfg: Any, demos: Any, seed: int) -> str:
         sft.pop(k, None)
     if model.get("init_from"):  # the starting weights are part of what the warm start depends on
         model["init_from"] = hf.checkpoint_fingerprint(model["init_from"])
-    else:
-        model.pop("init_from", None)  # keys of configs written before the field existed stay valid
+    # Fields added since caches were written leave the key unchanged at their neutral values, so
+    # those caches stay valid.
+    for key, neutral in ADDED_FIELDS.items():
+        if key.startswith("model.") and model.get(key[len("model."):]) == neutral:
+            model.pop(key[len("model."):])
     h = hashlib.sha256()
     h.update(json.dumps({"model": model, "sft": sft, "seed": seed}, sort_keys=True, default=str).encode())
     for a in _demo_arrays(demos):

@@ -26,14 +26,29 @@ RESUME_MUTABLE = ("resume", "resume_override", "workdir", "train.steps", "train.
                   "sft.cache_dir", "checkpoint.every", "checkpoint.keep")
 CONFIG_HISTORY = "config_history"
 _ABSENT = "(absent)"
+# Fields added to the configs after runs were written without them, each with the value that
+# computes what those runs computed: a run's saved config that lacks one is not "changed" by the
+# new config holding that value (any other value is a change like any other).
+ADDED_FIELDS = {
+    "tokenizer": "byte", "model.init_from": "", "model.qkv_bias": False, "model.rope_scaling": "none",
+    "model.rope_factor": 1.0, "model.rope_low_freq_factor": 1.0, "model.rope_high_freq_factor": 4.0,
+    "model.rope_original_max_position": 8192, "lora.rank": 0, "lora.alpha": 16.0,
+    "lora.targets": ["q", "k", "v", "o", "gate", "up", "down"], "lora.dtype": "float32",
+}
 
 
 def config_changes(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
     """path -> (old value, new value) for every leaf that differs between two configs as JSON;
-    a field only one of them has shows "(absent)" on the other side."""
+    a field only one of them has shows "(absent)" on the other side, except a field of
+    `ADDED_FIELDS` missing from the old config and holding its listed value in the new."""
     a, b = flatten(old), flatten(new)
+    a.update({k: v for k, v in ADDED_FIELDS.items() if k not in a and k in b and _same(b[k], v)})
     return {k: (a.get(k, _ABSENT), b.get(k, _ABSENT)) for k in sorted(set(a) | set(b))
             if a.get(k, _ABSENT) != b.get(k, _ABSENT)}
+
+
+def _same(value: Any, default: Any) -> bool:
+    return list(value) == default if isinstance(value, (list, tuple)) else value == default
 
 
 def _mutable_on_resume(path: str, old: dict, new: dict) -> bool:

@@ -1,0 +1,46 @@
+"""Comparing a resumed run's config with the saved one, across fields added since it was saved."""
+
+import json
+
+from rlcode.checks import flatten
+from rlcode.train import workdir
+from support import tiny_job
+
+
+def test_a_run_saved_before_fields_were_added_resumes_with_their_neutral_values(tmp_path):
+    new = json.loads(json.dumps(tiny_job.tiny_config(tmp_path).to_dict(), default=list))
+    flat = flatten(new)
+    # The table holds the configs' own defaults: the values that compute what older runs computed.
+    for key, value in workdir.ADDED_FIELDS.items():
+        assert key in flat, key
+        assert (list(flat[key]) if isinstance(flat[key], (list, tuple)) else flat[key]) == value, key
+    old = json.loads(json.dumps(new))
+    old.pop("tokenizer")
+    old.pop("lora")
+    for key in ("init_from", "qkv_bias", "rope_scaling", "rope_factor", "rope_low_freq_factor",
+                "rope_high_freq_factor", "rope_original_max_position"):
+        old["model"].pop(key)
+    assert workdir.config_changes(old, new) == {}
+    changed = json.loads(json.dumps(new))
+    changed["model"]["qkv_bias"] = True
+    changed["lora"]["rank"] = 8
+    assert sorted(workdir.config_changes(old, changed)) == ["lora.rank", "model.qkv_bias"]
+    assert workdir.config_changes(old, changed)["lora.rank"] == ("(absent)", 8)
+
+
+def test_warm_start_caches_written_before_the_added_fields_stay_valid(tmp_path):
+    import types
+
+    import numpy as np
+
+    from rlcode.train import sft
+
+    cfg = tiny_job.tiny_config(tmp_path)
+    old = cfg.model.to_dict()
+    for key in workdir.ADDED_FIELDS:
+        if key.startswith("model."):
+            old.pop(key[len("model."):])
+    demos = types.SimpleNamespace(arrays=lambda: [np.arange(6)])
+    assert sft.cache_key(cfg.model, cfg.sft, demos, 0) == sft.cache_key(old, cfg.sft, demos, 0)
+    cfg.model.qkv_bias = True  # a model that differs is another cache entry
+    assert sft.cache_key(cfg.model, cfg.sft, demos, 0) != sft.cache_key(old, cfg.sft, demos, 0)
