@@ -5,6 +5,7 @@ the tokens it sampled (prefilled turn by turn, with documents copied from their 
 attention) must equal those the train step recomputes from the finished episode's sequence with
 its segment layout."""
 
+import functools
 import json
 import math
 import os
@@ -50,7 +51,14 @@ def full_hidden(model, ids, spans):
     for j, (a, b) in enumerate(spans):
         seg[a:b] = j + 1
     mask = AttentionMask(segment_ids=jnp.asarray(seg)[None], is_global=jnp.asarray(seg == 0)[None])
-    return model(jnp.asarray(ids)[None], jnp.arange(len(ids))[None], mask).hidden[0, -1]
+    graphdef, state = nnx.split(model)
+    return _forward(graphdef, state, jnp.asarray(ids)[None], jnp.arange(len(ids))[None], mask)[0, -1]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(graphdef, state, tokens, positions, mask):
+    """The training forward as one compiled program (running it eagerly compiles every operation)."""
+    return nnx.merge(graphdef, state)(tokens, positions, mask).hidden
 
 
 @pytest.mark.parametrize("kind,mode", [("squid", "documents"), ("squid", "incremental"), ("dense", "full")])
