@@ -10,6 +10,7 @@ from rlcode.models import attention as attn_lib
 from rlcode.models import mlp as mlp_lib
 from rlcode.models.attention import AttentionMask
 from rlcode.models.transformer import ModelConfig, init_model, logical_axes, model_config
+from support.forward import forward
 
 
 def small_config(**kw):
@@ -93,30 +94,17 @@ def test_forward_matches_numpy_oracle(qk_norm, heads):
         np.testing.assert_allclose(hidden[b], np_forward(params, cfg, tokens[b], causal), rtol=2e-4, atol=2e-4)
 
 
-def jitted(model):
-    """The model's forward and decode as compiled programs (one compile per shape rather than one
-    per operation, which is what running them eagerly costs)."""
+def jitted_decode(model):
+    """`model.decode` as one compiled program (support.forward does the same for the forward)."""
     graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def forward(state, tokens, positions=None, mask=AttentionMask()):
-        return nnx.merge(graphdef, state)(tokens, positions, mask)
-
-    @jax.jit
-    def forward_kv(state, tokens, mask):
-        return nnx.merge(graphdef, state)(tokens, mask=mask, return_kv=True)
-
-    @jax.jit
-    def decode(state, *args):
-        return nnx.merge(graphdef, state).decode(*args)
-
-    return (lambda *a, **k: forward(state, *a, **k), lambda *a: forward_kv(state, *a),
-            lambda *a: decode(state, *a))
+    decode = jax.jit(lambda state, *args: nnx.merge(graphdef, state).decode(*args))
+    return lambda *args: decode(state, *args)
 
 
 def test_causal_and_padding_and_segments():
     cfg = small_config()
-    model = jitted(init_model(cfg, seed=2))[0]
+    net = init_model(cfg, seed=2)
+    model = lambda *a, **k: forward(net, *a, **k)
     rng = np.random.default_rng(1)
     tokens = jnp.asarray(rng.integers(0, 61, (1, 10)))
     full = model(tokens).hidden
@@ -143,13 +131,13 @@ def test_causal_and_padding_and_segments():
 def test_decode_matches_full_forward_with_shared_prefix_groups():
     cfg = small_config(qk_norm=True)
     model = init_model(cfg, seed=3)
-    forward, forward_kv, decode = jitted(model)
+    decode = jitted_decode(model)
     rng = np.random.default_rng(2)
     Pg, G, Lp, M = 2, 3, 7, 4
     prompt_lengths = jnp.array([7, 4])
     prompts = jnp.asarray(rng.integers(1, 61, (Pg, Lp)))
     gen = jnp.asarray(rng.integers(1, 61, (Pg * G, M)))
-    out = forward_kv(prompts, AttentionMask(kv_lengths=prompt_lengths))
+    out = forward(model, prompts, mask=AttentionMask(kv_lengths=prompt_lengths), return_kv=True)
     suffix = model.init_suffix_cache(Pg * G, M)
     positions0 = jnp.repeat(prompt_lengths, G)
     decoded = []
@@ -161,7 +149,7 @@ def test_decode_matches_full_forward_with_shared_prefix_groups():
         g = b // G
         p = int(prompt_lengths[g])
         seq = jnp.concatenate([prompts[g, :p], gen[b]])[None]
-        ref = np.asarray(forward(seq).hidden[0, p:])
+        ref = np.asarray(forward(model, seq).hidden[0, p:])
         np.testing.assert_allclose(decoded[b], ref, atol=2e-5, rtol=2e-5)
 
 

@@ -13,6 +13,7 @@ from flax import nnx
 from rlcode import sampling
 from rlcode.models.attention import AttentionMask
 from rlcode.models.transformer import init_model, model_config
+from support.forward import forward
 
 V = 53
 
@@ -42,7 +43,7 @@ def packed(docs, prompt, mode, start=0):
 
 def packed_hidden(model, docs, prompt, mode, start=0):
     tokens, seg, glob, pos = packed(docs, prompt, mode, start)
-    out = model(jnp.asarray(tokens), jnp.asarray(pos), AttentionMask(segment_ids=seg, is_global=glob))
+    out = forward(model, jnp.asarray(tokens), jnp.asarray(pos), AttentionMask(segment_ids=seg, is_global=glob))
     return np.asarray(out.hidden[0, -len(prompt):])
 
 
@@ -123,7 +124,8 @@ def test_group_sampling_reuses_one_encoding_and_matches_the_packed_forward(model
     # the generated tokens belong to the global segment.
     for g in range(G):
         seq_tokens, seg, glob, pos = packed(docs, np.concatenate([prompt, tokens[g]]), "sequential")
-        hidden = model(jnp.asarray(seq_tokens), jnp.asarray(pos), AttentionMask(segment_ids=seg, is_global=glob)).hidden
+        hidden = forward(model, jnp.asarray(seq_tokens), jnp.asarray(pos),
+                         AttentionMask(segment_ids=seg, is_global=glob)).hidden
         logits = model.logits(hidden[0])
         logp = jax.nn.log_softmax(logits, -1)
         first = seq_tokens.shape[1] - 6 - 1  # the position predicting the first generated token
@@ -134,7 +136,8 @@ def test_group_sampling_reuses_one_encoding_and_matches_the_packed_forward(model
 def test_squid_without_segments_is_causal_attention(model):
     dense = init_model(dataclasses.replace(model.cfg, attention=ml_collections.FrozenConfigDict({"kind": "dense"})), seed=3)
     tokens = jnp.asarray(np.random.default_rng(4).integers(1, V, size=(2, 19)))
-    np.testing.assert_allclose(np.asarray(model(tokens).hidden), np.asarray(dense(tokens).hidden), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(forward(model, tokens).hidden), np.asarray(forward(dense, tokens).hidden),
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_dense_model_refuses_cached_documents():

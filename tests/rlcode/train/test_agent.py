@@ -5,7 +5,6 @@ the tokens it sampled (prefilled turn by turn, with documents copied from their 
 attention) must equal those the train step recomputes from the finished episode's sequence with
 its segment layout."""
 
-import functools
 import json
 import math
 import os
@@ -16,6 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from support.forward import forward
 from support.local_executor import LocalExecutor
 
 from configs.agent_repo import get_config
@@ -51,14 +51,7 @@ def full_hidden(model, ids, spans):
     for j, (a, b) in enumerate(spans):
         seg[a:b] = j + 1
     mask = AttentionMask(segment_ids=jnp.asarray(seg)[None], is_global=jnp.asarray(seg == 0)[None])
-    graphdef, state = nnx.split(model)
-    return _forward(graphdef, state, jnp.asarray(ids)[None], jnp.arange(len(ids))[None], mask)[0, -1]
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _forward(graphdef, state, tokens, positions, mask):
-    """The training forward as one compiled program (running it eagerly compiles every operation)."""
-    return nnx.merge(graphdef, state)(tokens, positions, mask).hidden
+    return forward(model, jnp.asarray(ids)[None], jnp.arange(len(ids))[None], mask).hidden[0, -1]
 
 
 @pytest.mark.parametrize("kind,mode", [("squid", "documents"), ("squid", "incremental"), ("dense", "full")])
