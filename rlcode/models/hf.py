@@ -466,15 +466,16 @@ def save_checkpoint(model: Transformer, path: str | os.PathLike, *, tokenizer: A
     cfg = model.cfg
     config = hf_config(cfg, extra=extra_config)
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    out_dtype = None if dtype is None else np.dtype(DTYPES[dtype]) if dtype in DTYPES else None
-    if dtype is not None and out_dtype is None:
-        raise ValueError(f"dtype={dtype!r} is not one of {sorted(DTYPES)}")
-    if out_dtype is not None:
+    out_dtype = None
+    if dtype is not None:
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not one of {sorted(DTYPES)}")
+        out_dtype = np.dtype(DTYPES[dtype])
         config["torch_dtype"] = dtype
     tensors = {}
     for m in tensor_maps(cfg):
-        value = np.asarray(jax.device_get(_get(params, m.path)))
-        tensors[m.name] = np.ascontiguousarray(m.to_stored(value if out_dtype is None else value.astype(out_dtype)))
+        value = np.asarray(jax.device_get(_get(params, m.path)), dtype=out_dtype)
+        tensors[m.name] = np.ascontiguousarray(m.to_stored(value))
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     for stale in (SINGLE, INDEX):

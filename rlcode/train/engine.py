@@ -48,8 +48,8 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import ml_collections
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 from flax import nnx
 

@@ -30,12 +30,12 @@ from flax import nnx
 from rlcode import losses
 from rlcode.checks import apply_overrides
 from rlcode.models import hf
-from rlcode.train.workdir import ADDED_FIELDS
 from rlcode.models.transformer import init_model
 from rlcode.sampling import SampleOutput, to_training_batch
 from rlcode.train.checkpoint import CheckpointError, Checkpointer
 from rlcode.train.rollout import EncodedTasks, trim_batch
 from rlcode.train.step import init_train_state, make_optimizer, make_train_step, optim_config
+from rlcode.train.workdir import ADDED_FIELDS
 
 
 # The SFT loss as an objective: reinforce with advantage 1, token-mean (see the module docstring).
