@@ -19,6 +19,7 @@
   that CI runs (README, Tests).
 """
 
+import importlib.metadata
 import os
 import sys
 import warnings
@@ -38,8 +39,21 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # 9.3 min with all three). Every check compares against an oracle with a tolerance,
 # which these settings stay well inside. Subprocesses inherit them (`support.xla_flags` adds fake
 # devices without dropping them).
-FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
-                "--xla_cpu_use_fusion_emitters=false")
+FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
+
+
+def _jaxlib_version() -> tuple[int, ...]:
+    try:
+        version = importlib.metadata.version("jaxlib")
+    except importlib.metadata.PackageNotFoundError:
+        return ()
+    return tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
+
+
+# jaxlib 0.12 removed the flag (and XLA aborts on a flag it does not know), so only older
+# releases get it.
+if (0, 0) < _jaxlib_version() < (0, 11):
+    FAST_COMPILE += ("--xla_cpu_use_fusion_emitters=false",)
 _flags = os.environ.get("XLA_FLAGS", "").split()
 os.environ["XLA_FLAGS"] = " ".join(_flags + [f for f in FAST_COMPILE if f not in _flags])
 
