@@ -66,8 +66,11 @@ _PASSED_WORD = re.compile(r"\bPASSED\b")
 @dataclasses.dataclass(frozen=True)
 class Expect:
     """What a check expects: ``kind`` "equal" (`value`, compared with `same`), "raises" (one of
-    `names`, qualified exception class names such as ``"builtins.ValueError"``) or "type" (the
-    exact type, `names[0]`: a builtin's name such as ``"int"``, else ``"module.Qualname"``)."""
+    `names`, qualified exception class names such as ``"builtins.ValueError"``), "type" (the
+    exact type, `names[0]`: a builtin's name such as ``"int"``, else ``"module.Qualname"``) or
+    "claim" (any value or exception: the check only collects what the candidate computed, and
+    the caller judges `Verdict.claims` itself, on the trusted side, e.g. by replaying a test
+    function against them)."""
 
     kind: str
     value: Any = None
@@ -86,10 +89,14 @@ class Expect:
     def type(cls, name: str) -> "Expect":
         return cls("type", names=(name,))
 
+    @classmethod
+    def claim(cls) -> "Expect":
+        return cls("claim")
+
     def __post_init__(self):
-        if self.kind not in ("equal", "raises", "type"):
-            raise ValueError(f"Expect.kind must be equal, raises or type, got {self.kind!r}")
-        if self.kind != "equal" and not self.names:
+        if self.kind not in ("equal", "raises", "type", "claim"):
+            raise ValueError(f"Expect.kind must be equal, raises, type or claim, got {self.kind!r}")
+        if self.kind in ("raises", "type") and not self.names:
             raise ValueError(f"Expect.{self.kind} needs at least one name")
 
 
@@ -123,6 +130,34 @@ class CheckGroup:
 
 
 @dataclasses.dataclass(frozen=True)
+class Claim:
+    """What the child reported for one check: a returned `value` (decoded: plain data, or
+    `verdict_child.Opaque` for a type the protocol does not carry), or the qualified class names
+    of what it raised (`raised`, most derived first, with its `message`), or `unencodable`."""
+
+    value: Any = None
+    raised: tuple[str, ...] = ()
+    message: str = ""
+    unencodable: bool = False
+
+
+def claim_of(event: dict) -> Claim:
+    """The `Claim` of one check's report event (ValueError if malformed)."""
+    if "value" in event:
+        return Claim(value=child.decode(event["value"]))
+    for key in ("raised", "setup_error"):
+        if key in event:
+            info = event[key]
+            types = info.get("types") if isinstance(info, dict) else None
+            if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
+                raise ValueError(f"malformed {key} event")
+            return Claim(raised=tuple(types) or ("?",), message=str(info.get("message", ""))[:300])
+    if "unencodable" in event:
+        return Claim(unencodable=True)
+    raise ValueError("malformed check event")
+
+
+@dataclasses.dataclass(frozen=True)
 class Verdict:
     """The trusted side's reading of one run of the child.
 
@@ -130,6 +165,8 @@ class Verdict:
     mask, do not score). passed: per group, every check passed (always False unless status is
     "ok"). check_passed: per check, flattened in group order. flags: sorted names from `FLAGS`.
     details: a short human-readable account (status, first failures, tail of stderr).
+    claims: per check, what the child claimed for an `Expect.claim` check (None for the other
+    kinds, and for a check with no single well-formed claim): a `Claim`.
     """
 
     status: str
@@ -138,6 +175,7 @@ class Verdict:
     flags: tuple[str, ...]
     details: str
     returncode: int | None = None
+    claims: tuple[Claim | None, ...] = ()
 
     @property
     def num_passed(self) -> int:
@@ -193,7 +231,7 @@ def judge(expect: Expect, event: dict) -> tuple[bool, str]:
             return same(expect.value, value, expect.float_tol), got
         if expect.kind == "type":
             return _type_name(value) == expect.names[0], got
-        return False, got
+        return expect.kind == "claim", got
     for key in ("raised", "setup_error"):
         if key in event:
             info = event[key]
@@ -201,6 +239,8 @@ def judge(expect: Expect, event: dict) -> tuple[bool, str]:
             if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
                 raise ValueError(f"malformed {key} event")
             got = f"{key.replace('_', ' ')} {types[0] if types else '?'}: {str(info.get('message', ''))[:120]}"
+            if key == "raised" and expect.kind == "claim":
+                return True, got
             return key == "raised" and expect.kind == "raises" and bool(set(types) & set(expect.names)), got
     if "unencodable" in event:
         return False, f"unencodable value ({str(event['unencodable'])[:80]})"
@@ -305,18 +345,21 @@ def interpret(groups: Sequence[CheckGroup], result: Any, nonce: str) -> Verdict:
     if status in ("timeout", "crash"):
         flags.add(status)
     check_passed = []
+    claims: list[Claim | None] = []
     failures = []
     for i, expect in enumerate(expects):
         got = events.get(i, [])
         if len(got) > 1:
             forged.append(f"{len(got)} claims for check {i}")
-        ok, what = False, "no result"
+        ok, what, claim = False, "no result", None
         if len(got) == 1:
             try:
                 ok, what = judge(expect, got[0])
+                claim = claim_of(got[0]) if expect.kind == "claim" else None
             except ValueError as e:
                 forged.append(f"check {i}: {e}")
                 what = "malformed result"
+        claims.append(claim)
         ok = ok and status == "ok" and len(got) == 1
         check_passed.append(ok)
         if not ok and len(failures) < 5:
@@ -338,7 +381,7 @@ def interpret(groups: Sequence[CheckGroup], result: Any, nonce: str) -> Verdict:
     notes += failures
     details = "\n".join(notes) + ("\n" + stderr[-2000:] if stderr else "")
     return Verdict(status=status, passed=tuple(passed), check_passed=tuple(check_passed),
-                   flags=tuple(sorted(flags)), details=details, returncode=rc)
+                   flags=tuple(sorted(flags)), details=details, returncode=rc, claims=tuple(claims))
 
 
 @dataclasses.dataclass
