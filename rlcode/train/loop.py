@@ -45,6 +45,7 @@ from rlcode import advantages as adv_lib
 from rlcode import losses
 from rlcode.checks import ConfigError, flag, integer, real, schema_from_defaults, sequence, text
 from rlcode.envs.tasks import synth
+from rlcode.envs.tasks.protocol import COMPLETION_SOURCES
 from rlcode.recipes import ShapingConfig
 from rlcode.sampling import SampleOutput, SamplingConfig, to_training_batch
 from rlcode.tokenizer import ByteTokenizer
@@ -64,7 +65,8 @@ from rlcode.train.step import make_logprob_fn
 FRESH_SEED_OFFSET = 500_000  # task seeds of the fresh eval pool start here (see `build_tasks`)
 SYNTH_SECTIONS = {
     "job": text(("synth",), required=False),
-    "task": {"levels": sequence(integer(choices=synth.LEVELS), min_len=1), "num_train": integer(1, FRESH_SEED_OFFSET),
+    "task": {"source": text(COMPLETION_SOURCES, required=False),
+             "levels": sequence(integer(choices=synth.LEVELS), min_len=1), "num_train": integer(1, FRESH_SEED_OFFSET),
              "num_eval": integer(1), "num_fresh": integer(0), "max_prompt_len": integer(1), "seed": SEED},
     "sampling": {"max_new_tokens": integer(1), "temperature": real(0, low_open=True), "top_k": integer(0),
                  "top_p": real(0, 1, low_open=True)},
@@ -136,14 +138,30 @@ def build_tasks(cfg: Any, tokenizer: ByteTokenizer) -> tuple[EncodedTasks, Encod
     task.num_eval, ...)`: distinct held-out behaviours, none of which occurs in training. The
     fresh pool (`task.num_fresh` > 0) holds train-split tasks with seeds from
     ``FRESH_SEED_OFFSET`` on, never trained on: new examples and tests, but programs of the
-    training distribution (a program may recur), i.e. an in-distribution test set."""
+    training distribution (a program may recur), i.e. an in-distribution test set.
+
+    With ``task.source="humaneval"`` the pools are HumanEval's fixed train and test splits
+    (`rlcode.envs.tasks.humaneval.load`, problems of `task.levels`: the first `task.num_train` and
+    `task.num_eval` of them, in the package's order, that fit the prompt and target lengths) and there is no fresh pool; `task.seed` does
+    not apply."""
     levels = tuple(cfg.task.levels)
+    M, Lp = cfg.sampling.max_new_tokens, cfg.task.max_prompt_len
+    if cfg.task.get("source", "synth") == "humaneval":
+        from rlcode.envs.tasks import humaneval
+
+        def pool(split, n):  # the first n problems that fit the prompt and target lengths
+            tasks = [t for t in humaneval.load(split) if t.difficulty in levels]
+            enc = encode_tasks(tasks, tokenizer, Lp, M, what=f"HumanEval {split} tasks")
+            return dataclasses.replace(enc, tasks=enc.tasks[:n], prompts=enc.prompts[:n],
+                                       prompt_lengths=enc.prompt_lengths[:n], targets=enc.targets[:n],
+                                       target_lengths=enc.target_lengths[:n])
+
+        return pool("train", cfg.task.num_train), pool("test", cfg.task.num_eval), None
     base = cfg.task.seed * 1_000_003
     if cfg.task.num_train > FRESH_SEED_OFFSET:
         raise ConfigError(f"task.num_train={cfg.task.num_train} must be <= {FRESH_SEED_OFFSET}")
     train = [synth.generate_task(base + j, levels[j % len(levels)], "train") for j in range(cfg.task.num_train)]
     evals = synth.make_split("eval", cfg.task.num_eval, seed=cfg.task.seed, levels=levels)
-    M, Lp = cfg.sampling.max_new_tokens, cfg.task.max_prompt_len
     fresh = None
     if cfg.task.num_fresh:
         tasks = [synth.generate_task(base + FRESH_SEED_OFFSET + j, levels[j % len(levels)], "train")
@@ -277,7 +295,7 @@ def setup(ctx: Context) -> tuple[EncodedTasks, tuple]:
         raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} > the {len(train)} train "
                           f"tasks within task.max_prompt_len={cfg.task.max_prompt_len}")
     devices = jax.devices()
-    ctx.say(f"tasks: {len(train)} train (SFT demos and RL prompts), {len(evals)} held-out eval, "
+    ctx.say(f"tasks ({cfg.task.get('source', 'synth')}): {len(train)} train (SFT demos and RL prompts), {len(evals)} held-out eval, "
             f"{len(fresh) if fresh else 0} fresh in-distribution eval; levels {tuple(cfg.task.levels)}; "
             f"devices: {len(devices)} x {devices[0].platform}")
     return train, tasks

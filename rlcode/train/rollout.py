@@ -39,7 +39,7 @@ from rlcode.checks import TypedSection, expect_type, integer, real
 from rlcode.checks import flag as boolean
 from rlcode.envs import verdict
 from rlcode.envs.rewards import SynthRewardConfig, synth_rewards
-from rlcode.envs.tasks import synth
+from rlcode.envs.tasks.protocol import CompletionTask
 from rlcode.recipes import ShapingConfig
 from rlcode.sampling import SamplingConfig, sample
 from rlcode.tokenizer import Tokenizer
@@ -86,7 +86,7 @@ class EncodedTasks:
     prompt_lengths [N]; targets [N, M] the reference continuation + stop token (SFT),
     target_lengths [N]."""
 
-    tasks: tuple[synth.SynthTask, ...]
+    tasks: tuple[CompletionTask, ...]
     prompts: np.ndarray
     prompt_lengths: np.ndarray
     targets: np.ndarray
@@ -96,9 +96,10 @@ class EncodedTasks:
         return len(self.tasks)
 
 
-def encode_tasks(tasks: Sequence[synth.SynthTask], tokenizer: Tokenizer, max_prompt_len: int,
+def encode_tasks(tasks: Sequence[CompletionTask], tokenizer: Tokenizer, max_prompt_len: int,
                  max_new_tokens: int, *, what: str = "tasks") -> EncodedTasks:
-    """Tokenise `synth.completion_prompt` (after a BOS, when the tokenizer has one) and `synth.completion_target` (+ EOS).
+    """Tokenise each task's `completion_prompt` (after a BOS, when the tokenizer has one) and its
+    `completion_target` (+ EOS): any `rlcode.envs.tasks.protocol.CompletionTask`.
 
     Tasks whose prompt is longer than `max_prompt_len`, or whose reference continuation does not
     fit `max_new_tokens`, are left out (the caller sees how many through ``len``); raises if none
@@ -107,8 +108,8 @@ def encode_tasks(tasks: Sequence[synth.SynthTask], tokenizer: Tokenizer, max_pro
     bos, eos, pad = tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id
     kept, prompts, targets = [], [], []
     for task in tasks:
-        p = ([] if bos is None else [bos]) + tokenizer.encode(synth.completion_prompt(task))
-        t = tokenizer.encode(synth.completion_target(task)) + [eos]
+        p = ([] if bos is None else [bos]) + tokenizer.encode(task.completion_prompt())
+        t = tokenizer.encode(task.completion_target()) + [eos]
         if len(p) <= max_prompt_len and len(t) <= max_new_tokens:
             kept.append(task)
             prompts.append(p)
@@ -197,12 +198,14 @@ def concat_rollouts(parts: Sequence[Rollout]) -> Rollout:
 
 
 class Grader:
-    """Grades completions of synth tasks in a sandbox pool, all executions in flight at once.
+    """Grades completions of completion tasks (`rlcode.envs.tasks.protocol.CompletionTask`: the
+    synthesis tasks, HumanEval) in a sandbox pool, all executions in flight at once.
 
     Each completion is one execution of the trusted-verdict child (`rlcode.envs.verdict`) in the
-    pool's in-process mode: the child gets the candidate's source and the held-out inputs, returns
-    the values it computed, and this process compares them with the expected outputs, which never
-    leave it. A completion that writes into the child's report channel (`forged_report`) scores 0.
+    pool's in-process mode: the child gets the candidate's source and the task's inputs
+    (`check_groups`), returns the values it computed, and this process judges them (`score`) with
+    what never leaves it. A completion that writes into the child's report channel
+    (`forged_report`) scores 0.
 
     pool: a `rlcode.sandbox.SandboxPool` (or anything with its `submit_python` / `gather`).
     """
@@ -211,9 +214,9 @@ class Grader:
         self.pool = pool
         self.timeout = timeout
 
-    def grade(self, tasks: Sequence[synth.SynthTask], bodies: Sequence[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict]:
+    def grade(self, tasks: Sequence[CompletionTask], bodies: Sequence[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict]:
         """(pass_fraction [B] float, valid [B] bool, timed_out [B] bool, counts) for body b of task b."""
-        runs = [([synth.check_group(t, body)], verdict.new_nonce()) for t, body in zip(tasks, bodies)]
+        runs = [(t.check_groups(body), verdict.new_nonce()) for t, body in zip(tasks, bodies)]
         futures = [self.pool.submit_python(verdict.CHILD_SOURCE, stdin=verdict.request_payload(groups, nonce),
                                            inprocess=True, timeout=self.timeout) for groups, nonce in runs]
         results = self.pool.gather(futures)
@@ -233,7 +236,7 @@ class Grader:
             for flag in flagged:
                 flagged[flag] += flag in v.flags
             if "forged_report" not in v.flags:
-                frac[i] = float(np.mean(v.check_passed))
+                frac[i] = tasks[i].score(v)
         counts = {"infra": float((~valid).sum()), "timeout": float(timed_out.sum()), "executions": float(len(tasks)),
                   **flagged}
         return frac, valid, timed_out, counts

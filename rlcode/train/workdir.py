@@ -33,7 +33,7 @@ ADDED_FIELDS = {
     "tokenizer": "byte", "model.init_from": "", "model.qkv_bias": False, "model.rope_scaling": "none",
     "model.rope_factor": 1.0, "model.rope_low_freq_factor": 1.0, "model.rope_high_freq_factor": 4.0,
     "model.rope_original_max_position": 8192, "lora.rank": 0, "lora.alpha": 16.0,
-    "lora.targets": ["q", "k", "v", "o", "gate", "up", "down"], "lora.dtype": "float32",
+    "lora.targets": ["q", "k", "v", "o", "gate", "up", "down"], "lora.dtype": "float32", "task.source": "synth",
 }
 
 

@@ -338,6 +338,22 @@ class SynthTask:
         """The complete reference function (signature + body)."""
         return f"{self.signature}\n{self.reference_body}"
 
+    # The completion-task protocol (`rlcode.envs.tasks.protocol.CompletionTask`).
+    source = "synth"
+
+    def completion_prompt(self) -> str:
+        return completion_prompt(self)
+
+    def completion_target(self) -> str:
+        return completion_target(self)
+
+    def check_groups(self, completion: str) -> list[verdict.CheckGroup]:
+        return [check_group(self, completion)]
+
+    def score(self, v: verdict.Verdict) -> float:
+        """The fraction of held-out cases whose value matched."""
+        return float(sum(v.check_passed) / len(v.check_passed)) if v.check_passed else 0.0
+
 
 def _lit(v) -> str:
     return repr(list(v) if isinstance(v, tuple) else v)
