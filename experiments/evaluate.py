@@ -1,0 +1,321 @@
+"""Evaluate a policy on a completion-task source: pass@k, per difficulty, with sample transcripts.
+
+    python -m experiments.evaluate --run runs/grpo_synth --tasks synth
+    python -m experiments.evaluate --hf path/to/checkpoint --tasks humaneval --prompt chat --samples 10 --k 1,5,10
+
+The policy is a run's checkpoint (``--run``: its config.json, tokenizer and latest checkpoint, or
+``--step``) or a Hugging Face checkpoint directory (``--hf``, `rlcode.models.hf.load_checkpoint`
+with its tokenizer files). The tasks come from any completion source
+(`rlcode.envs.tasks.protocol`): ``synth`` (the held-out behaviours of the synthesis suite, at the
+run's task levels) or ``humaneval`` (``--split``, default test). Every task gets ``--samples``
+completions at ``--temperature``; each is graded in the sandbox through the task's trusted-verdict
+checks, and pass@k is the unbiased estimator (Chen et al. 2021) for each ``--k`` <= samples.
+
+Prompts: ``completion`` (the base-model prompt, which the policy continues) or ``chat`` (HumanEval's
+user turn rendered with the tokenizer's chat template; the reply's code is extracted from a fence,
+a restated function or a body). A task whose prompt is longer than ``--max_prompt_len`` tokens is
+left out and counted.
+
+Output: a table on stdout, and ``evaluate.json`` (every task's n, c and pass@k, the tables, the
+settings and the policy's origin) plus ``evaluate.md`` (the tables and a few transcripts) in
+``--out`` (default ``runs/evaluate/<tasks>-<time>``). ``--publish NAME`` also writes
+``results/evaluate_<NAME>.json`` and ``.md``: committed results change only when asked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+SOURCES = ("synth", "humaneval")
+PROMPT_STYLES = ("completion", "chat")
+NUM_TRANSCRIPTS = 4
+
+
+def _parse_ks(text: str) -> tuple[int, ...]:
+    try:
+        ks = tuple(sorted({int(k) for k in text.split(",") if k.strip()}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--k must be comma-separated integers, got {text!r}") from None
+    if not ks or ks[0] < 1:
+        raise argparse.ArgumentTypeError(f"--k values must be >= 1, got {text!r}")
+    return ks
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m experiments.evaluate", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    origin = p.add_mutually_exclusive_group(required=True)
+    origin.add_argument("--run", help="a run directory of the synthesis job (config.json + checkpoints/)")
+    origin.add_argument("--hf", help="a Hugging Face checkpoint directory (config.json, safetensors, tokenizer)")
+    p.add_argument("--step", type=int, default=None, help="the run's checkpoint step (default: the latest)")
+    p.add_argument("--tasks", choices=SOURCES, default="synth", help="the task source")
+    p.add_argument("--split", default=None, help="humaneval: all, train or test (default test)")
+    p.add_argument("--limit", type=int, default=None, help="evaluate the first N tasks only")
+    p.add_argument("--prompt", choices=PROMPT_STYLES, default="completion", help="prompt style")
+    p.add_argument("--samples", type=int, default=8, help="completions per task (n)")
+    p.add_argument("--k", type=_parse_ks, default=(1, 4, 8), help="comma-separated k of pass@k (each <= n)")
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top_p", type=float, default=0.95)
+    p.add_argument("--max_new_tokens", type=int, default=None, help="default: the run's, else 512")
+    p.add_argument("--max_prompt_len", type=int, default=None, help="default: the run's, else 2048")
+    p.add_argument("--batch", type=int, default=4, help="prompts per sampling batch (each with n samples)")
+    p.add_argument("--workers", type=int, default=2, help="sandbox workers")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds per graded completion")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="output directory (default runs/evaluate/<tasks>-<time>)")
+    p.add_argument("--publish", default=None, metavar="NAME",
+                   help="also write results/evaluate_NAME.json and .md (committed evidence)")
+    args = p.parse_args(argv)
+    if args.samples < 1:
+        p.error(f"--samples must be >= 1, got {args.samples}")
+    if args.k[-1] > args.samples:
+        p.error(f"--k {max(args.k)} exceeds --samples {args.samples}")
+    if args.temperature <= 0 or not 0 < args.top_p <= 1:
+        p.error("--temperature must be > 0 and --top_p in (0, 1]")
+    if args.batch < 1 or args.workers < 1 or args.timeout <= 0:
+        p.error("--batch and --workers must be >= 1 and --timeout > 0")
+    if args.step is not None and not args.run:
+        p.error("--step applies to --run only")
+    if args.prompt == "chat" and args.tasks != "humaneval":
+        p.error("--prompt chat is available for --tasks humaneval")
+    if args.split is not None and args.tasks != "humaneval":
+        p.error("--split applies to --tasks humaneval (synth evaluates its held-out behaviours)")
+    if args.publish is not None and not args.publish.replace("_", "").replace("-", "").isalnum():
+        p.error(f"--publish NAME must be letters, digits, '-' or '_', got {args.publish!r}")
+    return args
+
+
+# ------------------------------------------------------------------------------ the policy
+
+
+@dataclasses.dataclass
+class Policy:
+    graphdef: Any
+    params: Any
+    tokenizer: Any
+    origin: dict[str, Any]
+    max_new_tokens: int
+    max_prompt_len: int
+    levels: tuple[int, ...]
+    seed: int
+
+
+def load_run(path: str, step: int | None) -> Policy:
+    """The policy of a synthesis-job run: its model section, tokenizer and checkpoint `step`."""
+    import ml_collections
+    from flax import nnx
+
+    from rlcode.models.hf import initial_model, resolve_model_section
+    from rlcode.tokenizer import job_tokenizer
+    from rlcode.train.checkpoint import Checkpointer
+
+    config_path = os.path.join(path, "config.json")
+    if not os.path.exists(config_path):
+        raise SystemExit(f"--run {path}: no config.json (not a run directory)")
+    cfg = ml_collections.ConfigDict(json.load(open(config_path)))
+    if cfg.get("job", "synth") != "synth":
+        raise SystemExit(f"--run {path}: a {cfg.job!r} run; this evaluator takes completion policies")
+    section = resolve_model_section(cfg.model)
+    model = initial_model(section, cfg.seed)
+    graphdef, state = nnx.split(model)
+    ckpt_dir = os.path.join(path, "checkpoints")
+    with Checkpointer(ckpt_dir, read_only=True) as ckpt:
+        step = ckpt.latest_step() if step is None else step
+        if step is None:
+            raise SystemExit(f"--run {path}: no checkpoint in {ckpt_dir}")
+        restored, _ = ckpt.restore(step)
+    saved = restored["params"] if isinstance(restored, dict) else restored[1]
+    nnx.replace_by_pure_dict(state, saved)
+    tokenizer = job_tokenizer(cfg.get("tokenizer", "byte"), section.get("init_from", ""))
+    return Policy(graphdef, state, tokenizer, {"run": os.path.abspath(path), "step": int(step)},
+                  int(cfg.sampling.max_new_tokens), int(cfg.task.max_prompt_len), tuple(cfg.task.levels), int(cfg.seed))
+
+
+def load_hf(path: str) -> Policy:
+    from flax import nnx
+
+    from rlcode.models.hf import load_checkpoint
+    from rlcode.tokenizer import load_tokenizer
+
+    model = load_checkpoint(path)
+    graphdef, state = nnx.split(model)
+    return Policy(graphdef, state, load_tokenizer(path), {"hf": os.path.abspath(path)}, 512, 2048, (1, 2, 3), 0)
+
+
+# ------------------------------------------------------------------------------ tasks and prompts
+
+
+def build_tasks(args: argparse.Namespace, policy: Policy) -> list[Any]:
+    if args.tasks == "humaneval":
+        from rlcode.envs.tasks import humaneval
+
+        tasks = humaneval.load(args.split or "test")
+    else:
+        from rlcode.envs.tasks import synth
+
+        tasks = synth.make_split("eval", args.limit or 64, seed=policy.seed,
+                                 levels=tuple(l for l in policy.levels if l in synth.LEVELS) or (1,))
+    return tasks[: args.limit] if args.limit is not None else tasks
+
+
+def encode_prompt(task: Any, tokenizer: Any, style: str) -> list[int]:
+    if style == "chat":
+        from rlcode.envs.tasks import humaneval
+
+        return list(tokenizer.apply_chat_template(humaneval.chat_messages(task), add_generation_prompt=True))
+    bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+    return bos + tokenizer.encode(task.completion_prompt())
+
+
+# ------------------------------------------------------------------------------ evaluation
+
+
+def sample_all(policy: Policy, prompts: list[list[int]], args: argparse.Namespace, max_new: int,
+               progress) -> list[list[str]]:
+    """`args.samples` decoded completions per prompt (batches of `args.batch` prompts, padded to
+    the longest prompt rounded up to 64, so few shapes compile)."""
+    import jax
+    import jax.numpy as jnp
+
+    from rlcode.sampling import SamplingConfig, sample
+
+    tok = policy.tokenizer
+    cfg = SamplingConfig(max_new_tokens=max_new, temperature=args.temperature, top_k=0, top_p=args.top_p,
+                         stop_ids=tuple(tok.stop_ids), pad_id=tok.pad_id)
+    key = jax.random.key(args.seed)
+    out: list[list[str]] = []
+    n = args.samples
+    for b, start in enumerate(range(0, len(prompts), args.batch)):
+        chunk = prompts[start:start + args.batch]
+        width = -(-max(len(p) for p in chunk) // 64) * 64
+        rows = chunk + [chunk[-1]] * (args.batch - len(chunk))  # fixed batch shape; extra rows dropped
+        arr = np.full((len(rows), width), tok.pad_id, np.int32)
+        for i, p in enumerate(rows):
+            arr[i, : len(p)] = p
+        lengths = np.asarray([len(p) for p in rows], np.int32)
+        res = jax.device_get(sample(policy.graphdef, policy.params, jnp.asarray(arr), jnp.asarray(lengths),
+                                    jax.random.fold_in(key, b), group_size=n, cfg=cfg))
+        tokens, lens = np.asarray(res.tokens), np.asarray(res.lengths)
+        for i in range(len(chunk)):
+            texts = []
+            for j in range(n):
+                ids = [int(t) for t in tokens[i * n + j, : lens[i * n + j]] if int(t) not in tok.stop_ids]
+                texts.append(tok.decode(ids, skip_special=True))
+            out.append(texts)
+        progress(len(out), len(prompts))
+    return out
+
+
+def pass_at_k_table(n: np.ndarray, c: np.ndarray, ks: Sequence[int]) -> dict[str, float]:
+    from rlcode.train.metrics import pass_at_k
+
+    return {f"pass@{k}": float(np.mean(pass_at_k(n, c, k))) for k in ks}
+
+
+def evaluate(args: argparse.Namespace, policy: Policy, pool: Any, log=print) -> dict[str, Any]:
+    from rlcode.train.rollout import Grader
+
+    tasks = build_tasks(args, policy)
+    max_new = args.max_new_tokens or policy.max_new_tokens
+    max_len = args.max_prompt_len or policy.max_prompt_len
+    encoded = [(t, encode_prompt(t, policy.tokenizer, args.prompt)) for t in tasks]
+    kept = [(t, p) for t, p in encoded if len(p) <= max_len]
+    if not kept:
+        raise SystemExit(f"no task prompt fits --max_prompt_len {max_len} tokens")
+    log(f"{len(kept)} of {len(tasks)} {args.tasks} tasks fit {max_len} prompt tokens; "
+        f"{args.samples} samples each, up to {max_new} new tokens")
+    t0 = time.perf_counter()
+    texts = sample_all(policy, [p for _, p in kept], args, max_new,
+                       lambda done, total: print(f"\rsampled {done}/{total} tasks", end="", file=sys.stderr, flush=True))
+    print(file=sys.stderr)
+    t1 = time.perf_counter()
+    grader = Grader(pool, timeout=args.timeout)
+    flat_tasks = [t for t, _ in kept for _ in range(args.samples)]
+    frac, valid, timed_out, counts = grader.grade(flat_tasks, [s for row in texts for s in row])
+    t2 = time.perf_counter()
+    solved = ((frac >= 1.0) & valid).reshape(len(kept), args.samples)
+    n = np.full(len(kept), args.samples, np.int64)
+    c = solved.sum(1).astype(np.int64)
+    ks = [k for k in args.k if k <= args.samples]
+    by_level: dict[str, dict[str, float]] = {}
+    for level in sorted({t.difficulty for t, _ in kept}):
+        rows = np.asarray([t.difficulty == level for t, _ in kept])
+        by_level[str(level)] = {"tasks": int(rows.sum()), **pass_at_k_table(n[rows], c[rows], ks)}
+    per_task = [{"task_id": t.task_id, "difficulty": t.difficulty, "n": int(n[i]), "c": int(c[i])}
+                for i, (t, _) in enumerate(kept)]
+    transcripts = [{"task_id": t.task_id, "prompt": t.completion_prompt(), "completion": texts[i][0],
+                    "passed": bool(solved[i, 0])} for i, (t, _) in enumerate(kept[:NUM_TRANSCRIPTS])]
+    return {
+        "source": args.tasks, "split": args.split or ("test" if args.tasks == "humaneval" else "eval"),
+        "policy": policy.origin, "prompt": args.prompt,
+        "settings": {"samples": args.samples, "k": ks, "temperature": args.temperature, "top_p": args.top_p,
+                     "max_new_tokens": max_new, "max_prompt_len": max_len, "seed": args.seed, "timeout": args.timeout},
+        "tasks": {"evaluated": len(kept), "left_out_too_long": len(tasks) - len(kept)},
+        "overall": pass_at_k_table(n, c, ks), "by_difficulty": by_level,
+        "grading": {"infra": int((~valid).sum()), "timeouts": int(timed_out.sum()),
+                    "forged_report": int(counts.get("forged_report", 0))},
+        "seconds": {"sample": round(t1 - t0, 2), "grade": round(t2 - t1, 2)},
+        "per_task": per_task, "transcripts": transcripts,
+    }
+
+
+def markdown(report: dict[str, Any]) -> str:
+    ks = report["settings"]["k"]
+    head = "| difficulty | tasks | " + " | ".join(f"pass@{k}" for k in ks) + " |"
+    rule = "|---" * (2 + len(ks)) + "|"
+    rows = [f"| {lvl} | {r['tasks']} | " + " | ".join(f"{r[f'pass@{k}']:.3f}" for k in ks) + " |"
+            for lvl, r in report["by_difficulty"].items()]
+    total = report["tasks"]["evaluated"]
+    rows.append(f"| all | {total} | " + " | ".join(f"{report['overall'][f'pass@{k}']:.3f}" for k in ks) + " |")
+    s = report["settings"]
+    lines = [f"# {report['source']} ({report['split']}): {json.dumps(report['policy'])}", "",
+             f"{s['samples']} samples per task at temperature {s['temperature']}, top-p {s['top_p']}, "
+             f"{report['prompt']} prompts; pass@k is the unbiased estimator. "
+             f"{report['tasks']['left_out_too_long']} tasks left out (prompt longer than {s['max_prompt_len']} tokens); "
+             f"grading: {report['grading']}.", "", head, rule, *rows, "", "## Transcripts", ""]
+    for t in report["transcripts"]:
+        lines += [f"### {t['task_id']} (passed: {t['passed']})", "", "```python", t["prompt"].rstrip("\n"),
+                  t["completion"].rstrip("\n"), "```", ""]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    from rlcode.train.engine import default_pool  # starts no worker until called
+
+    out = args.out or os.path.join("runs", "evaluate", f"{args.tasks}-{time.strftime('%Y%m%d-%H%M%S')}")
+    pool = default_pool(args.workers, args.timeout + 5.0)  # workers first: before the model is loaded
+    try:
+        policy = load_run(args.run, args.step) if args.run else load_hf(args.hf)
+        report = evaluate(args, policy, pool)
+    finally:
+        pool.close()
+    text = markdown(report)
+    targets = [out] + (["results"] if args.publish else [])
+    for folder in targets:
+        os.makedirs(folder, exist_ok=True)
+        stem = "evaluate" if folder == out else f"evaluate_{args.publish}"
+        with open(os.path.join(folder, stem + ".json"), "w") as f:
+            json.dump(report, f, indent=1)
+        with open(os.path.join(folder, stem + ".md"), "w") as f:
+            f.write(text)
+    ks = report["settings"]["k"]
+    print(" ".join(f"pass@{k}={report['overall'][f'pass@{k}']:.3f}" for k in ks)
+          + f"  ({report['tasks']['evaluated']} tasks; by difficulty: "
+          + ", ".join(f"L{l} {r['pass@1']:.3f}" for l, r in report["by_difficulty"].items()) + ")")
+    print(f"wrote {os.path.join(out, 'evaluate.json')} and .md" + (" and results/evaluate_" + args.publish + ".*"
+                                                                     if args.publish else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

