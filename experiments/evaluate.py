@@ -290,10 +290,10 @@ def markdown(report: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    from rlcode.train.engine import default_pool  # starts no worker until called
+    from rlcode.sandbox import Limits, SandboxPool  # the pool starts before anything imports jax
 
     out = args.out or os.path.join("runs", "evaluate", f"{args.tasks}-{time.strftime('%Y%m%d-%H%M%S')}")
-    pool = default_pool(args.workers, args.timeout + 5.0)  # workers first: before the model is loaded
+    pool = SandboxPool(args.workers, Limits(wall_seconds=args.timeout + 5.0))
     try:
         policy = load_run(args.run, args.step) if args.run else load_hf(args.hf)
         report = evaluate(args, policy, pool)

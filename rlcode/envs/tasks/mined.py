@@ -228,13 +228,17 @@ def parse_report(stdout: str) -> tuple[dict[str, str], dict[str, str]]:
     return outcomes, messages
 
 
+_PYTEST = "import sys; sys.path[:0] = {paths!r}; import pytest; raise SystemExit(int(pytest.main(sys.argv[1:])))"
+
+
 def run_tests(root: str, tests: Sequence[str], executor: Any, *, timeout: float,
-              python: str = sys.executable) -> TestRun:
-    """Run pytest on `tests` (paths or node ids relative to `root`) in `root`."""
+              python: str = sys.executable, pythonpath: Sequence[str] = ()) -> TestRun:
+    """Run pytest on `tests` (paths or node ids relative to `root`) in `root`, with the
+    directories `pythonpath` (relative to `root`, e.g. ``src``) first on the import path."""
     import time
 
     t0 = time.perf_counter()
-    argv = [python, "-B", "-m", "pytest", *PYTEST_ARGS, *tests]
+    argv = [python, "-B", "-c", _PYTEST.format(paths=list(pythonpath)), *PYTEST_ARGS, *tests]
     res = executor.run(argv, timeout=timeout, workdir=root)
     stdout = _text(getattr(res, "stdout", ""))
     outcomes, messages = parse_report(stdout)
@@ -249,30 +253,33 @@ def _text(data: Any) -> str:
 
 
 _TRACER = r"""
-import json, os, sys
-root, package = os.path.realpath(sys.argv[1]), sys.argv[2]
-prefix = os.path.join(root, package) + os.sep
-seen = set()
-def profile(frame, event, arg):
-    if event == "call":
-        f = os.path.realpath(frame.f_code.co_filename)
-        if f.startswith(prefix):
-            seen.add((os.path.relpath(f, root), frame.f_code.co_firstlineno))
-sys.path.insert(0, root)
-sys.setprofile(profile)
+import cProfile, json, os, sys
+root, package, paths = os.path.realpath(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
+prefix = os.path.join(root, package)
+sys.path[:0] = [root] + [os.path.join(root, p) for p in paths]
 import pytest
-code = pytest.main(["-q", "-p", "no:cacheprovider", "-o", "addopts=", *sys.argv[3:]])
-sys.setprofile(None)
+profiler = cProfile.Profile()  # C-level: every call is counted at a small cost
+profiler.enable()
+code = pytest.main(["-q", "-p", "no:cacheprovider", "-o", "addopts=", *sys.argv[4:]])
+profiler.disable()
+profiler.create_stats()
+seen = set()
+for filename, line, _ in profiler.stats:
+    f = os.path.realpath(filename) if filename and not filename.startswith("<") else ""
+    if f == prefix + ".py" or f.startswith(prefix + os.sep):
+        seen.add((os.path.relpath(f, root), line))
 print("\nCOVERED " + json.dumps(sorted(seen)))
 sys.exit(int(code))
 """
 
 
 def covered_functions(root: str, package: str, tests: Sequence[str], executor: Any, *, timeout: float,
-                      python: str = sys.executable) -> dict[str, set[int]]:
-    """path -> first lines of the functions of `package` (a directory under `root`) that the tests
-    call (a decorated function's first line is its first decorator's)."""
-    res = executor.run([python, "-B", "-c", _TRACER, root, package, *tests], timeout=timeout, workdir=root)
+                      python: str = sys.executable, pythonpath: Sequence[str] = ()) -> dict[str, set[int]]:
+    """path -> first lines of the functions of `package` (a directory or a ``.py`` module under
+    `root`, without the suffix) that the tests call (a decorated function's first line is its
+    first decorator's)."""
+    res = executor.run([python, "-B", "-c", _TRACER, root, package, json.dumps(list(pythonpath)), *tests],
+                       timeout=timeout, workdir=root)
     stdout = _text(getattr(res, "stdout", ""))
     line = next((ln for ln in reversed(stdout.splitlines()) if ln.startswith("COVERED ")), None)
     if line is None:
@@ -327,7 +334,7 @@ def statement(task: MinedTask, package: str, limit: int = 3) -> str:
 
 
 def validate(root: str, m: Mutation, tests: Sequence[str], baseline: TestRun, executor: Any, *,
-             timeout: float, work: str, python: str = sys.executable) -> tuple | str:
+             timeout: float, work: str, python: str = sys.executable, pythonpath: Sequence[str] = ()) -> tuple | str:
     """Apply `m` in a copy of `root` under `work` and run the tests twice: (failing, regression,
     messages, seconds), or the reason to reject it ("no_failure", "timeout", "nondeterministic",
     "broke_collection")."""
@@ -341,7 +348,7 @@ def validate(root: str, m: Mutation, tests: Sequence[str], baseline: TestRun, ex
         f.write(apply(source, m))
     runs = []
     for _ in range(2):
-        run = run_tests(copy, tests, executor, timeout=timeout, python=python)
+        run = run_tests(copy, tests, executor, timeout=timeout, python=python, pythonpath=pythonpath)
         if run.status == "timeout":
             return "timeout"
         runs.append(run)
@@ -358,18 +365,22 @@ def validate(root: str, m: Mutation, tests: Sequence[str], baseline: TestRun, ex
 
 def mine(root: str, package: str, tests: Sequence[str], executor: Any, *, project: str, version: str,
          max_tasks: int, seed: int = 0, timeout: float = 60.0, max_seconds: float = 30.0,
-         work: str | None = None, python: str = sys.executable, log=lambda m: None) -> tuple[list[MinedTask], dict]:
+         work: str | None = None, python: str = sys.executable, pythonpath: Sequence[str] = (),
+         log=lambda m: None) -> tuple[list[MinedTask], dict]:
     """Validated tasks of one project (at most `max_tasks`, sites drawn in a seeded order, at most
     two per function) and the counts of every outcome: (tasks, report)."""
     import tempfile
 
-    baseline = run_tests(root, tests, executor, timeout=timeout, python=python)
+    baseline = run_tests(root, tests, executor, timeout=timeout, python=python, pythonpath=pythonpath)
     if not baseline.green:
         raise RuntimeError(f"{project} {version}: the test suite is not green before any change "
                            f"({len(baseline.failed)} failing, status {baseline.status}); failing: {baseline.failed[:5]}")
-    covered = covered_functions(root, package, tests, executor, timeout=timeout, python=python)
+    covered = covered_functions(root, package, tests, executor, timeout=timeout, python=python,
+                                pythonpath=pythonpath)
     sites: list[Mutation] = []
     for path in sorted(covered):
+        if is_test_file(path, tests):
+            continue  # the tests of a package that keeps them inside itself
         with open(os.path.join(root, path), encoding="utf-8") as f:
             sites += mutation_sites(f.read(), path, covered[path])
     rng = random.Random(seed)
@@ -387,7 +398,8 @@ def mine(root: str, package: str, tests: Sequence[str], executor: Any, *, projec
         if per_function.get(fn, 0) >= 2:
             continue
         report["tried"] += 1
-        got = validate(root, m, tests, baseline, executor, timeout=timeout, work=work, python=python)
+        got = validate(root, m, tests, baseline, executor, timeout=timeout, work=work, python=python,
+                       pythonpath=pythonpath)
         if isinstance(got, str):
             report["rejected"][got] += 1
             continue
@@ -401,6 +413,13 @@ def mine(root: str, package: str, tests: Sequence[str], executor: Any, *, projec
     report["kept"] = len(tasks)
     report["validation_rate"] = round(len(tasks) / report["tried"], 3) if report["tried"] else 0.0
     return tasks, report
+
+
+def is_test_file(path: str, tests: Sequence[str] = ()) -> bool:
+    """A test module or conftest (by name), or a file under one of the `tests` paths."""
+    name = os.path.basename(path)
+    under = any(path == t or path.startswith(t.rstrip("/") + "/") for t in tests)
+    return under or name.startswith("test_") or name.endswith("_test.py") or name == "conftest.py"
 
 
 def read_project(root: str, *, skip: Iterable[str] = ()) -> dict[str, str]:
