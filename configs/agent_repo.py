@@ -60,7 +60,10 @@ def get_config(arg=None):
     cfg.mesh = mesh_config()
 
     # num_train tasks are RL prompts; the first num_demos of them are also SFT demonstrations.
-    cfg.task = ml_collections.ConfigDict({"levels": tuple(int(c) for c in choices["levels"]), "num_train": 2000,
+    # source: "repo" (the generated repository tasks) or "mined" (bug-fix tasks in real projects,
+    # prepared once into mined_dir by `python -m experiments.prepare_mined`; no fresh set).
+    cfg.task = ml_collections.ConfigDict({"source": "repo", "mined_dir": ".cache/mined",
+                                          "levels": tuple(int(c) for c in choices["levels"]), "num_train": 2000,
                                           "num_demos": 400, "num_fresh": 32, "num_eval": 8, "seed": 0})
     cfg.agent = ml_collections.ConfigDict({
         "max_turns": 6, "max_context_tokens": 3072, "max_response_tokens": 192, "summarize": True,

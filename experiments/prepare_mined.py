@@ -155,6 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     from rlcode.sandbox import Limits, SandboxPool  # the pool starts before anything imports jax
 
+    args.cache = os.path.abspath(args.cache)
     os.makedirs(args.cache, exist_ok=True)
     roots = {name: fetch(PROJECTS[name], args.cache) for name in args.projects}
     pool = SandboxPool(args.workers, Limits(wall_seconds=args.timeout + 5.0))

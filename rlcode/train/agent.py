@@ -73,9 +73,25 @@ def evaluate(tasks: Sequence[repo_tasks.RepoTask], sampler: SessionSampler, para
     return out
 
 
+MINED_DIR = os.path.join(".cache", "mined")  # experiments.prepare_mined's default cache
+
+
 def build_tasks(cfg: Any) -> dict[str, list[repo_tasks.RepoTask]]:
+    """The train, fresh-eval and eval task sets. ``task.source="repo"`` (default): the generated
+    repository tasks. ``"mined"``: the bug-fix tasks prepared in ``task.mined_dir``
+    (`rlcode.envs.tasks.mined.load_prepared`): its train split for training and its test split
+    (unseen projects and files) for evaluation, tasks of `task.levels`, no fresh set."""
     t = cfg.task
     levels = list(t.levels)
+    if t.get("source", "repo") == "mined":
+        from rlcode.envs.tasks import mined
+
+        prepared = mined.load_prepared(t.get("mined_dir", MINED_DIR))
+        pick = lambda split, n: [x for x in prepared[split] if x.difficulty in levels][:n]  # noqa: E731
+        train = pick("train", t.num_train)
+        if not train:
+            raise ConfigError(f"task.mined_dir={t.get('mined_dir', MINED_DIR)!r}: no train task of levels {tuple(levels)}")
+        return {"train": train, "eval_fresh": [], "eval": pick("test", t.num_eval)}
 
     def make(split, num, start):
         return [repo_tasks.generate_task(start + i, difficulty=levels[i % len(levels)], split=split)
@@ -92,7 +108,8 @@ def build_tasks(cfg: Any) -> dict[str, list[repo_tasks.RepoTask]]:
 
 AGENT_SECTIONS = {
     "job": text(("agent",)),
-    "task": {"levels": sequence(integer(choices=repo_tasks.LEVELS), min_len=1), "num_train": integer(1),
+    "task": {"source": text(("repo", "mined"), required=False), "mined_dir": text(required=False),
+             "levels": sequence(integer(choices=repo_tasks.LEVELS), min_len=1), "num_train": integer(1),
              "num_demos": integer(0), "num_fresh": integer(0), "num_eval": integer(0), "seed": SEED},
     "agent": {"max_turns": integer(1), "max_context_tokens": integer(1), "max_response_tokens": integer(1),
               "summarize": flag(), "compact_prompt": flag(), "expert_style": text(repo_tasks.EXPERT_STYLES),

@@ -33,7 +33,9 @@ ADDED_FIELDS = {
     "tokenizer": "byte", "model.init_from": "", "model.qkv_bias": False, "model.rope_scaling": "none",
     "model.rope_factor": 1.0, "model.rope_low_freq_factor": 1.0, "model.rope_high_freq_factor": 4.0,
     "model.rope_original_max_position": 8192, "lora.rank": 0, "lora.alpha": 16.0,
-    "lora.targets": ["q", "k", "v", "o", "gate", "up", "down"], "lora.dtype": "float32", "task.source": "synth",
+    "lora.targets": ["q", "k", "v", "o", "gate", "up", "down"], "lora.dtype": "float32",
+    # Either job's own default task source (a set: any of them is the neutral value).
+    "task.source": frozenset({"synth", "repo"}), "task.mined_dir": ".cache/mined",
 }
 
 
@@ -48,6 +50,8 @@ def config_changes(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
 
 
 def _same(value: Any, default: Any) -> bool:
+    if isinstance(default, frozenset):
+        return value in default
     return list(value) == default if isinstance(value, (list, tuple)) else value == default
 
 

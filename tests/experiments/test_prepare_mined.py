@@ -33,8 +33,8 @@ def fixture_project(tmp_path, monkeypatch):
 
 
 def test_mines_reports_and_splits_a_pinned_project(fixture_project, tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)
-    assert prepare_mined.main(["--projects", "fixture", "--tasks_per_project", "3", "--cache", str(fixture_project),
+    monkeypatch.chdir(tmp_path)  # a relative cache path, as the default is
+    assert prepare_mined.main(["--projects", "fixture", "--tasks_per_project", "3", "--cache", "cache",
                                "--eval_projects", "fixture", "--timeout", "20"]) == 0
     lines = (fixture_project / "tasks.jsonl").read_text().splitlines()
     tasks = [json.loads(line) for line in lines]
@@ -59,3 +59,42 @@ def test_unknown_projects_are_named(capsys):
     with pytest.raises(SystemExit):
         prepare_mined.parse_args(["--projects", "inflection,nosuch"])
     assert "nosuch" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_agent_job_trains_on_mined_tasks(fixture_project, tmp_path):
+    """A prepared cache (`task.source=mined`): expert demonstrations from the reference fixes, one
+    GRPO step on the train split, evaluation on the test split, every episode graded by the
+    project's own held-out tests."""
+    from configs.agent_repo import get_config
+    from support.local_executor import LocalExecutor
+
+    from rlcode.envs.tasks import mined
+    from rlcode.models.transformer import model_config
+    from rlcode.train import agent
+
+    assert prepare_mined.main(["--projects", "fixture", "--tasks_per_project", "3", "--cache", str(fixture_project),
+                               "--timeout", "20", "--workers", "1"]) == 0
+    path = fixture_project / "tasks.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for i, row in enumerate(rows):  # one file: make both splits exist whatever its hash says
+        row["split"] = "test" if i == len(rows) - 1 else "train"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    prepared = mined.load_prepared(str(fixture_project))
+    assert [len(prepared["train"]), len(prepared["test"])] == [2, 1]
+
+    cfg = get_config()
+    cfg.model = model_config(vocab_size=320, d_model=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
+                             ffw_dim=64)
+    cfg.workdir = str(tmp_path / "run")
+    cfg.task.update(source="mined", mined_dir=str(fixture_project), levels=(1, 2, 3), num_train=2, num_demos=2,
+                    num_fresh=0, num_eval=1)
+    cfg.agent.update(max_turns=3, max_response_tokens=192, max_context_tokens=3072)
+    cfg.sft.update(steps=1, batch_size=2, cache_dir=str(tmp_path / "sft"))
+    cfg.train.steps = 1
+    cfg.rollout.update(prompts_per_step=1, group_size=2)
+    cfg.eval.update(num_samples=1, batch_rows=1)
+    cfg.sandbox.timeout = 30.0
+    result = agent.run(cfg, pool=LocalExecutor(), log=lambda m: None)
+    assert result.completed and result.steps_done == 1
+    assert "eval/success" in result.first_eval and "eval/success" in result.last_eval

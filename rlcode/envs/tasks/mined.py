@@ -237,6 +237,7 @@ def run_tests(root: str, tests: Sequence[str], executor: Any, *, timeout: float,
     directories `pythonpath` (relative to `root`, e.g. ``src``) first on the import path."""
     import time
 
+    root = os.path.abspath(root)
     t0 = time.perf_counter()
     argv = [python, "-B", "-c", _PYTEST.format(paths=list(pythonpath)), *PYTEST_ARGS, *tests]
     res = executor.run(argv, timeout=timeout, workdir=root)
@@ -278,6 +279,7 @@ def covered_functions(root: str, package: str, tests: Sequence[str], executor: A
     """path -> first lines of the functions of `package` (a directory or a ``.py`` module under
     `root`, without the suffix) that the tests call (a decorated function's first line is its
     first decorator's)."""
+    root = os.path.abspath(root)
     res = executor.run([python, "-B", "-c", _TRACER, root, package, json.dumps(list(pythonpath)), *tests],
                        timeout=timeout, workdir=root)
     stdout = _text(getattr(res, "stdout", ""))
@@ -371,6 +373,7 @@ def mine(root: str, package: str, tests: Sequence[str], executor: Any, *, projec
     two per function) and the counts of every outcome: (tasks, report)."""
     import tempfile
 
+    root = os.path.abspath(root)
     baseline = run_tests(root, tests, executor, timeout=timeout, python=python, pythonpath=pythonpath)
     if not baseline.green:
         raise RuntimeError(f"{project} {version}: the test suite is not green before any change "
@@ -491,3 +494,23 @@ def as_json(task: MinedTask) -> dict[str, Any]:
 def from_json(d: Mapping[str, Any]) -> MinedTask:
     return MinedTask(d["project"], d["version"], Mutation(**d["mutation"]), tuple(d["failing"]),
                      tuple(d["regression"]), dict(d["messages"]), float(d["seconds"]))
+
+
+def load_prepared(cache: str, *, splits: Sequence[str] = ("train", "test")) -> dict[str, list[Any]]:
+    """The agent tasks (`to_repo_task`) of a prepared cache (`experiments.prepare_mined`:
+    ``tasks.jsonl`` and the unpacked projects under ``src/``), by split, in file order."""
+    path = os.path.join(cache, "tasks.jsonl")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: no mined tasks here; run python -m experiments.prepare_mined "
+                                f"--cache {cache} first")
+    out: dict[str, list[Any]] = {s: [] for s in splits}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            d = json.loads(line)
+            if d["split"] not in out:
+                continue
+            root = os.path.join(cache, "src", f"{d['project']}-{d['version']}")
+            out[d["split"]].append(to_repo_task(from_json(d), root, d["package"], d["tests"], d["split"]))
+    return out
