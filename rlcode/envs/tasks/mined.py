@@ -265,8 +265,8 @@ code = pytest.main(["-q", "-p", "no:cacheprovider", "-o", "addopts=", *sys.argv[
 profiler.disable()
 profiler.create_stats()
 seen = set()
-for filename, line, _ in profiler.stats:
-    f = os.path.realpath(filename) if filename and not filename.startswith("<") else ""
+for filename, line, name in profiler.stats:
+    f = os.path.realpath(filename) if filename and not filename.startswith("<") and name != "<module>" else ""
     if f == prefix + ".py" or f.startswith(prefix + os.sep):
         seen.add((os.path.relpath(f, root), line))
 print("\nCOVERED " + json.dumps(sorted(seen)))
@@ -390,7 +390,7 @@ def mine(root: str, package: str, tests: Sequence[str], executor: Any, *, projec
     rng.shuffle(sites)
     per_function: dict[tuple[str, str], int] = {}
     report = {"sites": len(sites), "tried": 0, "kept": 0, "baseline_s": round(baseline.seconds, 3),
-              "functions_covered": sum(len(v) for v in covered.values()),
+              "functions_covered": sum(len(v) for path, v in covered.items() if not is_test_file(path, tests)),
               "rejected": {r: 0 for r in ("no_failure", "timeout", "nondeterministic", "broke_collection", "slow")}}
     tasks: list[MinedTask] = []
     work = work or tempfile.mkdtemp(prefix="rlcode_mine_")
