@@ -7,7 +7,9 @@ The policy is a run's checkpoint (``--run``: its config.json, tokenizer and late
 ``--step``) or a Hugging Face checkpoint directory (``--hf``, `rlcode.models.hf.load_checkpoint`
 with its tokenizer files). The tasks come from any completion source
 (`rlcode.envs.tasks.protocol`): ``synth`` (the held-out behaviours of the synthesis suite, at the
-run's task levels) or ``humaneval`` (``--split``, default test). Every task gets ``--samples``
+run's task levels) or ``humaneval`` (``--split``, default test); or, for an agent run, ``repo``
+(the run's held-out task families) or ``mined`` (the test split of ``--mined_dir``), played as
+episodes by the agent job's own evaluation (pass@1 = success and pass@n; per level pass@1). Every task gets ``--samples``
 completions at ``--temperature``; each is graded in the sandbox through the task's trusted-verdict
 checks, and pass@k is the unbiased estimator (Chen et al. 2021) for each ``--k`` <= samples.
 
@@ -35,7 +37,8 @@ from typing import Any
 
 import numpy as np
 
-SOURCES = ("synth", "humaneval")
+SOURCES = ("synth", "humaneval", "repo", "mined")
+COMPLETION = ("synth", "humaneval")  # the synthesis job's policies; repo and mined: the agent job's
 PROMPT_STYLES = ("completion", "chat")
 NUM_TRANSCRIPTS = 4
 
@@ -59,6 +62,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--step", type=int, default=None, help="the run's checkpoint step (default: the latest)")
     p.add_argument("--tasks", choices=SOURCES, default="synth", help="the task source")
     p.add_argument("--split", default=None, help="humaneval: all, train or test (default test)")
+    p.add_argument("--mined_dir", default=os.path.join(".cache", "mined"),
+                   help="mined: a cache prepared by experiments.prepare_mined (its test split is evaluated)")
     p.add_argument("--limit", type=int, default=None, help="evaluate the first N tasks only")
     p.add_argument("--prompt", choices=PROMPT_STYLES, default="completion", help="prompt style")
     p.add_argument("--samples", type=int, default=8, help="completions per task (n)")
@@ -85,6 +90,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--batch and --workers must be >= 1 and --timeout > 0")
     if args.step is not None and not args.run:
         p.error("--step applies to --run only")
+    if args.tasks not in COMPLETION and (args.hf or args.prompt == "chat"):
+        p.error(f"--tasks {args.tasks} evaluates an agent run (--run): episodes in the built-in chat format")
+    if args.tasks not in COMPLETION and args.k != (1, args.samples) and args.k != (1,):
+        p.error(f"--tasks {args.tasks}: the agent's evaluation reports pass@1 and pass@n; use --k 1,{args.samples}")
     if args.prompt == "chat" and args.tasks != "humaneval":
         p.error("--prompt chat is available for --tasks humaneval")
     if args.split is not None and args.tasks != "humaneval":
@@ -107,10 +116,12 @@ class Policy:
     max_prompt_len: int
     levels: tuple[int, ...]
     seed: int
+    config: Any = None  # the run's config (a run), None for a Hugging Face directory
 
 
-def load_run(path: str, step: int | None) -> Policy:
-    """The policy of a synthesis-job run: its model section, tokenizer and checkpoint `step`."""
+def load_run(path: str, step: int | None, job: str = "synth") -> Policy:
+    """The policy of a run of `job` ("synth" or "agent"): its model section, tokenizer and
+    checkpoint `step`."""
     import ml_collections
     from flax import nnx
 
@@ -122,8 +133,8 @@ def load_run(path: str, step: int | None) -> Policy:
     if not os.path.exists(config_path):
         raise SystemExit(f"--run {path}: no config.json (not a run directory)")
     cfg = ml_collections.ConfigDict(json.load(open(config_path)))
-    if cfg.get("job", "synth") != "synth":
-        raise SystemExit(f"--run {path}: a {cfg.job!r} run; this evaluator takes completion policies")
+    if cfg.get("job", "synth") != job:
+        raise SystemExit(f"--run {path}: a {cfg.get('job', 'synth')!r} run; these tasks need a {job!r} run")
     section = resolve_model_section(cfg.model)
     model = initial_model(section, cfg.seed)
     graphdef, state = nnx.split(model)
@@ -136,8 +147,13 @@ def load_run(path: str, step: int | None) -> Policy:
     saved = restored["params"] if isinstance(restored, dict) else restored[1]
     nnx.replace_by_pure_dict(state, saved)
     tokenizer = job_tokenizer(cfg.get("tokenizer", "byte"), section.get("init_from", ""))
+    if job == "agent":
+        return Policy(graphdef, state, tokenizer, {"run": os.path.abspath(path), "step": int(step)},
+                      int(cfg.agent.max_response_tokens), int(cfg.agent.max_context_tokens), tuple(cfg.task.levels),
+                      int(cfg.seed), cfg)
     return Policy(graphdef, state, tokenizer, {"run": os.path.abspath(path), "step": int(step)},
-                  int(cfg.sampling.max_new_tokens), int(cfg.task.max_prompt_len), tuple(cfg.task.levels), int(cfg.seed))
+                  int(cfg.sampling.max_new_tokens), int(cfg.task.max_prompt_len), tuple(cfg.task.levels), int(cfg.seed),
+                  cfg)
 
 
 def load_hf(path: str) -> Policy:
@@ -268,11 +284,56 @@ def evaluate(args: argparse.Namespace, policy: Policy, pool: Any, log=print) -> 
     }
 
 
+def evaluate_agent(args: argparse.Namespace, policy: Policy, pool: Any, log=print) -> dict[str, Any]:
+    """`args.samples` episodes of the agent run's policy per task (repository tasks: the run's
+    held-out families; mined: the prepared cache's test split), with the agent job's own
+    evaluation (`rlcode.train.agent.evaluate`: success = pass@1, pass@n, per level)."""
+    import jax
+
+    from rlcode.envs.tasks import mined
+    from rlcode.session_sampling import SessionSampler
+    from rlcode.train import agent
+
+    cfg = policy.config
+    if args.tasks == "mined":
+        tasks = mined.load_prepared(args.mined_dir, splits=("test",))["test"]
+    else:
+        tasks = agent.build_tasks(cfg)["eval"]
+    tasks = tasks[: args.limit] if args.limit is not None else tasks
+    if not tasks:
+        raise SystemExit(f"no {args.tasks} task to evaluate")
+    cfg.eval.num_samples = args.samples
+    sampler = SessionSampler(policy.graphdef, policy.tokenizer, rows=args.batch * args.samples,
+                             max_context=cfg.agent.max_context_tokens, max_response=cfg.agent.max_response_tokens,
+                             temperature=args.temperature, mode=cfg.agent.prefill)
+    log(f"{len(tasks)} {args.tasks} tasks, {args.samples} episodes each")
+    t0 = time.perf_counter()
+    m = agent.evaluate(tasks, sampler, policy.params, jax.random.key(args.seed), pool, policy.tokenizer, cfg, "eval")
+    n = args.samples
+    ks = sorted({1, n})
+    overall = {f"pass@{k}": float(m[f"eval/pass@{k}"]) for k in ks}
+    by_level = {}
+    for level in sorted({t.difficulty for t in tasks}):
+        count = sum(t.difficulty == level for t in tasks)
+        by_level[str(level)] = {"tasks": count, "pass@1": float(m[f"eval/success_L{level}"])}  # pass@1 only
+    return {
+        "source": args.tasks, "split": "test" if args.tasks == "mined" else "eval", "policy": policy.origin,
+        "prompt": "agent", "settings": {"samples": n, "k": ks, "temperature": args.temperature, "top_p": 1.0,
+                                        "max_new_tokens": policy.max_new_tokens, "max_prompt_len": policy.max_prompt_len,
+                                        "seed": args.seed, "timeout": args.timeout},
+        "tasks": {"evaluated": len(tasks), "left_out_too_long": 0}, "overall": overall, "by_difficulty": by_level,
+        "grading": {k.split("/", 1)[1]: v for k, v in m.items() if any(w in k for w in ("infra", "timeout", "hack"))},
+        "episode_metrics": m,
+        "seconds": {"total": round(time.perf_counter() - t0, 2)}, "per_task": [], "transcripts": [],
+    }
+
+
 def markdown(report: dict[str, Any]) -> str:
     ks = report["settings"]["k"]
     head = "| difficulty | tasks | " + " | ".join(f"pass@{k}" for k in ks) + " |"
     rule = "|---" * (2 + len(ks)) + "|"
-    rows = [f"| {lvl} | {r['tasks']} | " + " | ".join(f"{r[f'pass@{k}']:.3f}" for k in ks) + " |"
+    cell = lambda r, k: f"{r[f'pass@{k}']:.3f}" if f"pass@{k}" in r else "-"  # noqa: E731
+    rows = [f"| {lvl} | {r['tasks']} | " + " | ".join(cell(r, k) for k in ks) + " |"
             for lvl, r in report["by_difficulty"].items()]
     total = report["tasks"]["evaluated"]
     rows.append(f"| all | {total} | " + " | ".join(f"{report['overall'][f'pass@{k}']:.3f}" for k in ks) + " |")
@@ -295,8 +356,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = args.out or os.path.join("runs", "evaluate", f"{args.tasks}-{time.strftime('%Y%m%d-%H%M%S')}")
     pool = SandboxPool(args.workers, Limits(wall_seconds=args.timeout + 5.0))
     try:
-        policy = load_run(args.run, args.step) if args.run else load_hf(args.hf)
-        report = evaluate(args, policy, pool)
+        if args.tasks in COMPLETION:
+            policy = load_run(args.run, args.step) if args.run else load_hf(args.hf)
+            report = evaluate(args, policy, pool)
+        else:
+            report = evaluate_agent(args, load_run(args.run, args.step, job="agent"), pool)
     finally:
         pool.close()
     text = markdown(report)

@@ -96,6 +96,8 @@ def test_pass_at_k_and_difficulty_tables_equal_the_oracle(sandbox_pool, monkeypa
     (["--run", "x", "--prompt", "chat"], "--prompt chat"),
     (["--hf", "x", "--step", "3"], "--step applies to --run"),
     (["--run", "x", "--publish", "../x"], "--publish NAME"),
+    (["--hf", "x", "--tasks", "mined"], "evaluates an agent run"),
+    (["--run", "x", "--tasks", "repo", "--samples", "4", "--k", "1,2"], "pass@1 and pass@n"),
 ])
 def test_bad_arguments_are_one_line_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as e:

@@ -98,3 +98,15 @@ def test_the_agent_job_trains_on_mined_tasks(fixture_project, tmp_path):
     result = agent.run(cfg, pool=LocalExecutor(), log=lambda m: None)
     assert result.completed and result.steps_done == 1
     assert "eval/success" in result.first_eval and "eval/success" in result.last_eval
+
+    # The evaluator plays the run's checkpoint on the test split, as the job's evaluation does.
+    from experiments import evaluate
+
+    out = tmp_path / "eval"
+    assert evaluate.main(["--run", cfg.workdir, "--tasks", "mined", "--mined_dir", str(fixture_project),
+                          "--samples", "1", "--k", "1", "--batch", "1", "--out", str(out)]) == 0
+    report = json.loads((out / "evaluate.json").read_text())
+    assert report["source"] == "mined" and report["tasks"]["evaluated"] == 1 and report["policy"]["step"] == 1
+    assert 0.0 <= report["overall"]["pass@1"] <= 1.0
+    with pytest.raises(SystemExit, match="'agent' run"):
+        evaluate.load_run(str(tmp_path / "run"), None)  # a synthesis evaluation refuses an agent run
