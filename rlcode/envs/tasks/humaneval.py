@@ -196,12 +196,15 @@ def _cut_body(text: str) -> str:
     return "".join(out)
 
 
+_ASSIGNMENT = re.compile(r"^[A-Za-z_]\w*\s*(:[^=]+)?=[^=]")
+
+
 def _cut_module(text: str) -> str:
-    """Top-level code: definitions, imports and their indented bodies, up to the first top-level
-    line of anything else (a call, ``if __name__``, a comment, prose)."""
+    """Top-level code: definitions, imports, assignments and their indented bodies, up to the
+    first top-level line of anything else (a call, ``if __name__``, a comment, prose)."""
     out = []
     for line in text.splitlines(keepends=True):
-        if line.strip() and not line[0].isspace() and not line.startswith(_TOP_LEVEL_CODE):
+        if line.strip() and not line[0].isspace() and not line.startswith(_TOP_LEVEL_CODE) and not _ASSIGNMENT.match(line):
             break
         out.append(line)
     return "".join(out)
@@ -221,7 +224,8 @@ def extract_program(task: HumanEvalTask, text: str) -> str:
     fenced = _fenced(text)
     code = fenced if fenced is not None else text
     lines = code.splitlines()
-    starts_code = next((ln for ln in lines if ln.strip()), "").startswith(_TOP_LEVEL_CODE)
+    first = next((ln for ln in lines if ln.strip()), "")
+    starts_code = first.startswith(_TOP_LEVEL_CODE) or bool(_ASSIGNMENT.match(first))
     if re.search(rf"^(async\s+)?def\s+{re.escape(task.entry_point)}\s*\(", code, re.M) and starts_code:
         return task.prompt.rstrip("\n") + "\n    ...\n\n\n" + _cut_module(code).rstrip("\n") + "\n"
     if fenced is not None and not any(ln[:1].isspace() for ln in lines if ln.strip()):

@@ -123,6 +123,7 @@ def test_extraction_of_fenced_restated_and_trailing_outputs(sandbox_pool):
         "restated_with_helper": f"import math\n\n{signature}\n    return helper(number)\n\n\ndef helper(x):\n"
                                 f"    return x - math.floor(x)\n\n\nif __name__ == '__main__':\n    print(1)\n",
         "fence_without_close": f"```python\n{signature}\n    return number % 1.0\n",
+        "restated_with_constant": f"ONE: float = 1.0\n\n{signature}\n    return number % ONE\n\nprint(ONE)\n",
     }
     failing = {
         "truncated_statement": "    return number %",
