@@ -1,5 +1,7 @@
-"""Generated task families for RL training: program synthesis (`synth`, whose names this package
-re-exports) and repositories with a planted bug or a missing feature (`repo`, the agent job's)."""
+"""Task sources for RL training and evaluation: generated program synthesis (`synth`, whose names
+this package re-exports), HumanEval from the installed package (`humaneval`), generated
+repositories with a planted bug or a missing feature (`repo`, the agent job's) and bug-fix tasks
+mined from real projects (`mined`). `protocol` says what a completion task is to the jobs."""
 
 from rlcode.envs.tasks.synth import (
     LEVELS,
