@@ -44,7 +44,7 @@ def config_changes(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
     a field only one of them has shows "(absent)" on the other side, except a field of
     `ADDED_FIELDS` missing from the old config and holding its listed value in the new."""
     a, b = flatten(old), flatten(new)
-    a.update({k: v for k, v in ADDED_FIELDS.items() if k not in a and k in b and _same(b[k], v)})
+    a.update({k: b[k] for k, v in ADDED_FIELDS.items() if k not in a and k in b and _same(b[k], v)})
     return {k: (a.get(k, _ABSENT), b.get(k, _ABSENT)) for k in sorted(set(a) | set(b))
             if a.get(k, _ABSENT) != b.get(k, _ABSENT)}
 

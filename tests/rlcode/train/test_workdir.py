@@ -26,6 +26,7 @@ def test_a_run_saved_before_fields_were_added_resumes_with_their_neutral_values(
     old = json.loads(json.dumps(new))
     old.pop("tokenizer")
     old.pop("lora")
+    old["task"].pop("source")
     for key in ("init_from", "qkv_bias", "rope_scaling", "rope_factor", "rope_low_freq_factor",
                 "rope_high_freq_factor", "rope_original_max_position"):
         old["model"].pop(key)
