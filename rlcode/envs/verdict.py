@@ -133,12 +133,14 @@ class CheckGroup:
 class Claim:
     """What the child reported for one check: a returned `value` (decoded: plain data, or
     `verdict_child.Opaque` for a type the protocol does not carry), or the qualified class names
-    of what it raised (`raised`, most derived first, with its `message`), or `unencodable`."""
+    of what it raised (`raised`, most derived first, with its `message`; `setup_error`: raised by
+    the group's setup or source, not by the check), or `unencodable` (`message`: why)."""
 
     value: Any = None
     raised: tuple[str, ...] = ()
     message: str = ""
     unencodable: bool = False
+    setup_error: bool = False
 
 
 def claim_of(event: dict) -> Claim:
@@ -151,9 +153,10 @@ def claim_of(event: dict) -> Claim:
             types = info.get("types") if isinstance(info, dict) else None
             if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
                 raise ValueError(f"malformed {key} event")
-            return Claim(raised=tuple(types) or ("?",), message=str(info.get("message", ""))[:300])
+            return Claim(raised=tuple(types) or ("?",), message=str(info.get("message", ""))[:300],
+                         setup_error=key == "setup_error")
     if "unencodable" in event:
-        return Claim(unencodable=True)
+        return Claim(unencodable=True, message=str(event["unencodable"])[:300])
     raise ValueError("malformed check event")
 
 
@@ -224,27 +227,26 @@ def _type_name(value: Any) -> str:
 def judge(expect: Expect, event: dict) -> tuple[bool, str]:
     """(passed, what was claimed) for one check's report event (raises ValueError if the event
     is malformed)."""
-    if "value" in event:
-        value = child.decode(event["value"])
-        got = f"{_type_name(value)} {value!r}"[:200]
-        if expect.kind == "equal":
-            return same(expect.value, value, expect.float_tol), got
-        if expect.kind == "type":
-            return _type_name(value) == expect.names[0], got
-        return expect.kind == "claim", got
-    for key in ("raised", "setup_error"):
-        if key in event:
-            info = event[key]
-            types = info.get("types") if isinstance(info, dict) else None
-            if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
-                raise ValueError(f"malformed {key} event")
-            got = f"{key.replace('_', ' ')} {types[0] if types else '?'}: {str(info.get('message', ''))[:120]}"
-            if key == "raised" and expect.kind == "claim":
-                return True, got
-            return key == "raised" and expect.kind == "raises" and bool(set(types) & set(expect.names)), got
-    if "unencodable" in event:
-        return False, f"unencodable value ({str(event['unencodable'])[:80]})"
-    raise ValueError("malformed check event")
+    return judge_claim(expect, claim_of(event))
+
+
+def judge_claim(expect: Expect, claim: Claim) -> tuple[bool, str]:
+    """(passed, what was claimed) for one check's `Claim`."""
+    if claim.unencodable:
+        return False, f"unencodable value ({claim.message[:80]})"
+    if claim.raised:
+        key = "setup error" if claim.setup_error else "raised"
+        got = f"{key} {claim.raised[0]}: {claim.message[:120]}"
+        if claim.setup_error:
+            return False, got
+        return expect.kind == "claim" or (expect.kind == "raises" and bool(set(claim.raised) & set(expect.names))), got
+    value = claim.value
+    got = f"{_type_name(value)} {value!r}"[:200]
+    if expect.kind == "equal":
+        return same(expect.value, value, expect.float_tol), got
+    if expect.kind == "type":
+        return _type_name(value) == expect.names[0], got
+    return expect.kind == "claim", got
 
 
 # ----------------------------------------------------------------------------------------------
@@ -354,8 +356,9 @@ def interpret(groups: Sequence[CheckGroup], result: Any, nonce: str) -> Verdict:
         ok, what, claim = False, "no result", None
         if len(got) == 1:
             try:
-                ok, what = judge(expect, got[0])
-                claim = claim_of(got[0]) if expect.kind == "claim" else None
+                parsed = claim_of(got[0])
+                ok, what = judge_claim(expect, parsed)
+                claim = parsed if expect.kind == "claim" else None
             except ValueError as e:
                 forged.append(f"check {i}: {e}")
                 what = "malformed result"
