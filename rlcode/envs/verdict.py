@@ -281,7 +281,8 @@ def child_argv(python: str = sys.executable) -> list[str]:
     return [python, "-I", "-B", "-c", CHILD_SOURCE]
 
 
-def _text(data: Any) -> str:
+def text_of(data: Any) -> str:
+    """An executor's output (bytes, str or None) as text, undecodable bytes replaced."""
     if data is None:
         return ""
     if isinstance(data, (bytes, bytearray, memoryview)):
@@ -302,7 +303,7 @@ def interpret(groups: Sequence[CheckGroup], result: Any, nonce: str) -> Verdict:
     forged: list[str] = []
     watched: list[str] = []
     raised_flags: set[str] = set()
-    for line in _text(getattr(result, "stdout", b"")).splitlines():
+    for line in text_of(getattr(result, "stdout", b"")).splitlines():
         if not line.strip():
             continue
         if not line.startswith(prefix):
@@ -335,7 +336,7 @@ def interpret(groups: Sequence[CheckGroup], result: Any, nonce: str) -> Verdict:
     notes = [f"executor status {status_in}, return code {rc}"]
     if status_in == "infra" or ready != n:
         status = "infra"
-        notes.append("infrastructure failure: " + (_text(getattr(result, "info", "")) or "the checker did not start"))
+        notes.append("infrastructure failure: " + (text_of(getattr(result, "info", "")) or "the checker did not start"))
     elif status_in == "timeout":
         status = "timeout"
     elif status_in in ("memory", "output_limit") or done != n or rc != 0:
@@ -370,7 +371,7 @@ def interpret(groups: Sequence[CheckGroup], result: Any, nonce: str) -> Verdict:
     if forged:
         flags.add("forged_report")
         notes.append("report channel: " + "; ".join(dict.fromkeys(forged[:20])))
-    stderr = _text(getattr(result, "stderr", b""))
+    stderr = text_of(getattr(result, "stderr", b""))
     if watched:
         flags.add("read_heldout")
         notes.append("watched paths touched: " + "; ".join(dict.fromkeys(watched[:10])))

@@ -30,6 +30,8 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from rlcode.envs import verdict
+
 KINDS = ("operator", "comparison", "boolean", "constant", "condition", "remove_statement", "swap_arguments")
 _BINOPS = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Add, ast.Div: ast.Mult, ast.FloorDiv: ast.Mult,
            ast.Mod: ast.FloorDiv}
@@ -241,16 +243,10 @@ def run_tests(root: str, tests: Sequence[str], executor: Any, *, timeout: float,
     t0 = time.perf_counter()
     argv = [python, "-B", "-c", _PYTEST.format(paths=list(pythonpath)), *PYTEST_ARGS, *tests]
     res = executor.run(argv, timeout=timeout, workdir=root)
-    stdout = _text(getattr(res, "stdout", ""))
+    stdout = verdict.text_of(getattr(res, "stdout", ""))
     outcomes, messages = parse_report(stdout)
     return TestRun(outcomes, messages, getattr(res, "status", "ok"), getattr(res, "returncode", None),
                    time.perf_counter() - t0)
-
-
-def _text(data: Any) -> str:
-    if isinstance(data, (bytes, bytearray)):
-        return bytes(data).decode("utf-8", errors="replace")
-    return data or ""
 
 
 _TRACER = r"""
@@ -282,11 +278,11 @@ def covered_functions(root: str, package: str, tests: Sequence[str], executor: A
     root = os.path.abspath(root)
     res = executor.run([python, "-B", "-c", _TRACER, root, package, json.dumps(list(pythonpath)), *tests],
                        timeout=timeout, workdir=root)
-    stdout = _text(getattr(res, "stdout", ""))
+    stdout = verdict.text_of(getattr(res, "stdout", ""))
     line = next((ln for ln in reversed(stdout.splitlines()) if ln.startswith("COVERED ")), None)
     if line is None:
         raise RuntimeError(f"the coverage run of {root} did not report (status {getattr(res, 'status', '?')}): "
-                           f"{_text(getattr(res, 'stderr', ''))[-500:]}")
+                           f"{verdict.text_of(getattr(res, 'stderr', ''))[-500:]}")
     out: dict[str, set[int]] = {}
     for path, first in json.loads(line[len("COVERED "):]):
         out.setdefault(path.replace(os.sep, "/"), set()).add(int(first))
