@@ -383,20 +383,22 @@ def _write_rows(cache_rows: jax.Array, new: jax.Array, starts: jax.Array) -> jax
     return jax.vmap(put, in_axes=(1, 1, 0), out_axes=1)(cache_rows, new, starts)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
-def extend_session(graphdef, params, cache: SessionCache, rows, tokens, lengths, num_new):
+@functools.partial(jax.jit, static_argnames=("graphdef", "span"), donate_argnames=("cache",))
+def extend_session(graphdef, params, cache: SessionCache, rows, tokens, lengths, num_new, span=None):
     """Append tokens [Rb, T] (right-padded, num_new [Rb] real ones) to the contexts of `rows` [Rb]
     that hold lengths [Rb] tokens: each new token attends to its row's cached slots below
     `lengths` and causally to the new tokens before it (positions lengths + t), which is the full
     forward at those positions for causal and squid-global tokens. Returns (cache with the new
     keys/values written at slots lengths.., hidden [Rb, D] of each row's last new token).
-    The caller keeps lengths + T within the cache length."""
+    The caller keeps lengths + T within the cache length. `span` (static, >= max(lengths)): only
+    the first `span` slots are read (None: all), so attention costs what the contexts hold rather
+    than the cache's capacity."""
     model = nnx.merge(graphdef, params)
     ck, cv = cache.k[:, rows], cache.v[:, rows]
-    S, T = ck.shape[2], tokens.shape[1]
+    S, T = ck.shape[2] if span is None else min(span, ck.shape[2]), tokens.shape[1]
     valid = jnp.arange(S)[None, :] < lengths[:, None]
     positions = lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-    layers = [KVCache(ck[i], cv[i]) for i in range(ck.shape[0])]
+    layers = [KVCache(ck[i, :, :S], cv[i, :, :S]) for i in range(ck.shape[0])]
     out = model.forward_with_context(tokens, positions, layers, valid, return_kv=True)
     ck = _write_rows(ck, jnp.stack([kv.k for kv in out.kv]), lengths)
     cv = _write_rows(cv, jnp.stack([kv.v for kv in out.kv]), lengths)
@@ -417,11 +419,13 @@ def write_documents(cache: SessionCache, rows, starts, doc_k, doc_v, doc_start, 
     return SessionCache(cache.k.at[:, rows].set(ck), cache.v.at[:, rows].set(cv))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "cfg"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "span"))
 def sample_session(graphdef, params, cache: SessionCache, rows, lengths, last_hidden, key, *,
-                   cfg: SamplingConfig) -> SampleOutput:
+                   cfg: SamplingConfig, span: int | None = None) -> SampleOutput:
     """Sample one continuation per row of `rows` [Rb] after its cached context of lengths [Rb]
-    tokens; last_hidden [Rb, D] is the hidden state of each context's last token."""
+    tokens; last_hidden [Rb, D] is the hidden state of each context's last token. `span` (static,
+    >= max(lengths)): only the first `span` cache slots are read (None: all)."""
     model = nnx.merge(graphdef, params)
-    prefix = [KVCache(cache.k[i, rows], cache.v[i, rows]) for i in range(cache.k.shape[0])]
+    S = cache.k.shape[2] if span is None else min(span, cache.k.shape[2])
+    prefix = [KVCache(cache.k[i, rows, :S], cache.v[i, rows, :S]) for i in range(cache.k.shape[0])]
     return _generate(model, prefix, lengths, last_hidden, lengths, key, 1, cfg)

@@ -44,6 +44,12 @@ def _bucket(n: int, minimum: int = 16, step: int = 512) -> int:
     return -(-n // step) * step
 
 
+def _span(n: int, minimum: int = 256) -> int:
+    """Cache slots a call reads for contexts of up to n tokens: a power of two, so a whole
+    episode compiles few shapes while attention costs at most twice what the contexts hold."""
+    return max(minimum, 1 << (max(int(n), 1) - 1).bit_length())
+
+
 class SessionSampler:
     """Generates the next turn of many episodes at once, each with a persistent KV cache.
 
@@ -199,7 +205,8 @@ class SessionSampler:
         hidden = jnp.stack([last[r] for r in order] + [jnp.zeros_like(last[order[0]])] * (Rb - len(order)))
         key = jax.random.fold_in(self.key, self.calls)
         self.calls += 1
-        out = sampling.sample_session(self.graphdef, self.params, self.cache, rows, lengths, hidden, key, cfg=self.cfg)
+        out = sampling.sample_session(self.graphdef, self.params, self.cache, rows, lengths, hidden, key, cfg=self.cfg,
+                                      span=_span(lengths.max()))
         tokens, n, logp = np.asarray(out.tokens), np.asarray(out.lengths), np.asarray(out.logprobs)
         self.stats["decode_s"] += time.perf_counter() - t0
         self.stats["tokens_generated"] += int(n[: len(order)].sum())
