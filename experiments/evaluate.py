@@ -13,6 +13,10 @@ episodes by the agent job's own evaluation (pass@1 = success and pass@n; per lev
 completions at ``--temperature``; each is graded in the sandbox through the task's trusted-verdict
 checks, and pass@k is the unbiased estimator (Chen et al. 2021) for each ``--k`` <= samples.
 
+Devices: sampling runs on a mesh of the local devices (``--mesh``, default ``data=-1``: every
+device data-parallel; e.g. ``data=2,tensor=2``), the parameters placed by their logical axes
+(`on_mesh`), the prompt batch rounded up to a multiple of data x fsdp.
+
 Prompts: ``completion`` (the base-model prompt, which the policy continues) or ``chat`` (HumanEval's
 user turn rendered with the tokenizer's chat template; the reply's code is extracted from a fence,
 a restated function or a body). A task whose prompt is longer than ``--max_prompt_len`` tokens is
@@ -29,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -53,6 +58,19 @@ def _parse_ks(text: str) -> tuple[int, ...]:
     return ks
 
 
+def _parse_mesh(text: str) -> dict[str, int]:
+    from rlcode.sharding import MESH_AXES
+
+    sizes: dict[str, int] = {}
+    for part in filter(None, text.split(",")):
+        axis, _, size = part.partition("=")
+        if axis not in MESH_AXES or not size.lstrip("-").isdigit():
+            raise argparse.ArgumentTypeError(f"--mesh takes axis=size pairs over {', '.join(MESH_AXES)} "
+                                             f"(size >= 1, or -1 for the remaining devices), got {text!r}")
+        sizes[axis] = int(size)
+    return sizes
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m experiments.evaluate", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -73,6 +91,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max_new_tokens", type=int, default=None, help="default: the run's, else 512")
     p.add_argument("--max_prompt_len", type=int, default=None, help="default: the run's, else 2048")
     p.add_argument("--batch", type=int, default=4, help="prompts per sampling batch (each with n samples)")
+    p.add_argument("--mesh", type=_parse_mesh, default={"data": -1},
+                   help="the device mesh sampling runs on, e.g. data=4 or data=2,tensor=2 (axes data, fsdp, "
+                        "tensor, expert; -1 = the remaining devices; default data=-1: every local device "
+                        "data-parallel). --batch is rounded up to a multiple of data x fsdp")
     p.add_argument("--workers", type=int, default=2, help="sandbox workers")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds per graded completion")
     p.add_argument("--seed", type=int, default=0)
@@ -165,6 +187,35 @@ def load_hf(path: str) -> Policy:
     model = load_checkpoint(path)
     graphdef, state = nnx.split(model)
     return Policy(graphdef, state, load_tokenizer(path), {"hf": os.path.abspath(path)}, 512, 2048, (1, 2, 3), 0)
+
+
+def on_mesh(policy: Policy, sizes: dict[str, int]) -> tuple[Policy, dict[str, int]]:
+    """The policy placed on a mesh of the local devices (`rlcode.sharding`): each parameter
+    sharded by its logical axes and the model's activations pinned to the mesh, so the sampler
+    (the same jitted functions as on one device) splits its batch over data x fsdp and its heads
+    over tensor. Returns the policy and the mesh's axis sizes; one device: the policy unchanged."""
+    import jax
+    from flax import nnx
+
+    from rlcode.models.transformer import logical_axes
+    from rlcode.sharding import DEFAULT_RULES, make_mesh, mesh_config, named_shardings, place, put
+
+    devices = jax.devices()
+    if -1 not in sizes.values():  # explicit sizes: the first that many devices
+        sizes = {"data": 1, **sizes}
+        devices = devices[: math.prod(sizes.values())]
+    try:
+        mesh = make_mesh(mesh_config(**sizes), devices)
+    except ValueError as e:
+        raise SystemExit(f"--mesh: {e}") from None
+    shape = {axis: int(n) for axis, n in mesh.shape.items()}
+    if mesh.size == 1:
+        return policy, shape
+    model = place(nnx.merge(policy.graphdef, policy.params), mesh, DEFAULT_RULES)
+    graphdef, state = nnx.split(model)
+    params = nnx.to_pure_dict(state)
+    params = put(params, named_shardings(logical_axes(model), params, mesh, DEFAULT_RULES))
+    return dataclasses.replace(policy, graphdef=graphdef, params=params), shape
 
 
 # ------------------------------------------------------------------------------ tasks and prompts
@@ -358,9 +409,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.tasks in COMPLETION:
             policy = load_run(args.run, args.step) if args.run else load_hf(args.hf)
-            report = evaluate(args, policy, pool)
         else:
-            report = evaluate_agent(args, load_run(args.run, args.step, job="agent"), pool)
+            policy = load_run(args.run, args.step, job="agent")
+        policy, mesh = on_mesh(policy, args.mesh)
+        shards = mesh["data"] * mesh["fsdp"]
+        if args.batch % shards:
+            args.batch = -(-args.batch // shards) * shards
+            print(f"--batch rounded up to {args.batch}, a multiple of the mesh's data x fsdp = {shards}")
+        report = (evaluate if args.tasks in COMPLETION else evaluate_agent)(args, policy, pool)
+        report["settings"].update(mesh=mesh, batch=args.batch)  # samples depend on the seed and the batch
     finally:
         pool.close()
     text = markdown(report)

@@ -133,3 +133,51 @@ def test_a_directory_that_is_not_a_run_is_named(tmp_path):
     with pytest.raises(SystemExit, match="no config.json"):
         evaluate.load_run(str(tmp_path), None)
     assert os.path.isdir(tmp_path)
+
+
+MESH_CHECK = """
+import json, sys
+from experiments import evaluate
+
+run, out = sys.argv[1], sys.argv[2]
+reports = {}
+for mesh in ("data=1", "data=4", "data=2,tensor=2"):
+    d = out + "/" + mesh.replace(",", "_").replace("=", "")
+    assert evaluate.main(["--run", run, "--tasks", "synth", "--limit", "4", "--samples", "4", "--k", "1,4",
+                          "--batch", "3", "--temperature", "1.0", "--top_p", "1.0", "--mesh", mesh, "--out", d]) == 0
+    reports[mesh] = json.load(open(d + "/evaluate.json"))
+
+import jax
+placed, shape = evaluate.on_mesh(evaluate.load_run(run, None), {"data": 2, "tensor": 2})
+specs = sorted({str(x.sharding.spec) for x in jax.tree.leaves(placed.params)})
+print(json.dumps({"devices": jax.device_count(), "reports": reports, "specs": specs, "shape": shape}))
+"""
+
+
+@pytest.mark.slow
+def test_sampling_on_a_mesh_of_four_devices_gives_the_single_device_samples(run_dir, tmp_path):
+    """Data-parallel and tensor-parallel meshes (4 fake CPU devices): parameters sharded by their
+    logical axes, the batch rounded up to the data axis, and the same completions and counts as
+    on one device."""
+    import subprocess
+    import sys
+
+    from support import xla_flags
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, XLA_FLAGS=xla_flags(4), JAX_PLATFORMS="cpu", PYTHONPATH=root)
+    proc = subprocess.run([sys.executable, "-c", MESH_CHECK, str(run_dir), str(tmp_path)], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert "--batch rounded up to 4, a multiple of the mesh's data x fsdp = 4" in lines
+    data = json.loads(lines[-1])
+    assert data["devices"] == 4 and data["shape"] == {"data": 2, "fsdp": 1, "tensor": 2, "expert": 1}
+    assert any("tensor" in s for s in data["specs"])  # heads / ffw / vocab split over the tensor axis
+    one, reports = data["reports"]["data=1"], data["reports"]
+    assert one["settings"]["mesh"] == {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}
+    assert reports["data=4"]["settings"]["mesh"]["data"] == 4
+    for mesh in ("data=4", "data=2,tensor=2"):
+        assert reports[mesh]["per_task"] == one["per_task"], mesh
+        assert [t["completion"] for t in reports[mesh]["transcripts"]] == \
+            [t["completion"] for t in one["transcripts"]], mesh
