@@ -9,9 +9,10 @@ with its tokenizer files). The tasks come from any completion source
 (`rlcode.envs.tasks.protocol`): ``synth`` (the held-out behaviours of the synthesis suite, at the
 run's task levels) or ``humaneval`` (``--split``, default test); or, for an agent run, ``repo``
 (the run's held-out task families) or ``mined`` (the test split of ``--mined_dir``), played as
-episodes by the agent job's own evaluation (pass@1 = success and pass@n; per level pass@1). Every task gets ``--samples``
-completions at ``--temperature``; each is graded in the sandbox through the task's trusted-verdict
-checks, and pass@k is the unbiased estimator (Chen et al. 2021) for each ``--k`` <= samples.
+episodes by the agent job's own evaluation (pass@1 = success and pass@n; per level pass@1); a
+Hugging Face checkpoint plays them with the settings of ``--agent_config``, its own tokenizer and
+the built-in chat template. Every task gets ``--samples`` completions at ``--temperature``; each
+is graded in the sandbox through the task's trusted-verdict checks, and pass@k is the unbiased estimator (Chen et al. 2021) for each ``--k`` <= samples.
 
 Devices: sampling runs on a mesh of the local devices (``--mesh``, default ``data=-1``: every
 device data-parallel; e.g. ``data=2,tensor=2``), the parameters placed by their logical axes
@@ -75,13 +76,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m experiments.evaluate", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     origin = p.add_mutually_exclusive_group(required=True)
-    origin.add_argument("--run", help="a run directory of the synthesis job (config.json + checkpoints/)")
+    origin.add_argument("--run", help="a run directory of the synthesis or agent job (config.json + checkpoints/)")
     origin.add_argument("--hf", help="a Hugging Face checkpoint directory (config.json, safetensors, tokenizer)")
     p.add_argument("--step", type=int, default=None, help="the run's checkpoint step (default: the latest)")
     p.add_argument("--tasks", choices=SOURCES, default="synth", help="the task source")
     p.add_argument("--split", default=None, help="humaneval: all, train or test (default test)")
     p.add_argument("--mined_dir", default=os.path.join(".cache", "mined"),
                    help="mined: a cache prepared by experiments.prepare_mined (its test split is evaluated)")
+    p.add_argument("--agent_config", default=None,
+                   help="--hf on repo / mined tasks: the agent config file for the episodes (turns, context, "
+                        "tools, rewards; default configs/agent_repo.py of this checkout)")
     p.add_argument("--limit", type=int, default=None, help="evaluate the first N tasks only")
     p.add_argument("--prompt", choices=PROMPT_STYLES, default="completion", help="prompt style")
     p.add_argument("--samples", type=int, default=8, help="completions per task (n)")
@@ -112,8 +116,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--batch and --workers must be >= 1 and --timeout > 0")
     if args.step is not None and not args.run:
         p.error("--step applies to --run only")
-    if args.tasks not in COMPLETION and (args.hf or args.prompt == "chat"):
-        p.error(f"--tasks {args.tasks} evaluates an agent run (--run): episodes in the built-in chat format")
+    if args.tasks not in COMPLETION and args.prompt == "chat":
+        p.error(f"--tasks {args.tasks} plays agent episodes in the built-in chat format; --prompt does not apply")
+    if args.agent_config is not None and not (args.hf and args.tasks not in COMPLETION):
+        p.error("--agent_config applies to --hf with --tasks repo or mined (a run brings its own config)")
     if args.tasks not in COMPLETION and args.k != (1, args.samples) and args.k != (1,):
         p.error(f"--tasks {args.tasks}: the agent's evaluation reports pass@1 and pass@n; use --k 1,{args.samples}")
     if args.prompt == "chat" and args.tasks != "humaneval":
@@ -216,6 +222,29 @@ def on_mesh(policy: Policy, sizes: dict[str, int]) -> tuple[Policy, dict[str, in
     params = nnx.to_pure_dict(state)
     params = put(params, named_shardings(logical_axes(model), params, mesh, DEFAULT_RULES))
     return dataclasses.replace(policy, graphdef=graphdef, params=params), shape
+
+
+AGENT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "agent_repo.py")
+
+
+def load_hf_agent(path: str, config_path: str | None) -> Policy:
+    """A Hugging Face checkpoint as an agent policy: the episodes' settings (turns, context and
+    response lengths, tools, rewards, levels) from an agent config file, the checkpoint's own
+    tokenizer, and the built-in chat template (`rlcode.tokenizer.Tokenizer.encode_builtin_chat`:
+    the model's special tokens, in the project's tool-calling format)."""
+    from experiments.ablate import AblationError, load_config_module
+
+    try:
+        cfg = load_config_module(config_path or AGENT_CONFIG).get_config()
+    except AblationError as e:
+        raise SystemExit(f"--agent_config: {e}") from None
+    if cfg.get("job") != "agent":
+        raise SystemExit(f"--agent_config {config_path}: not an agent config (job={cfg.get('job')!r})")
+    cfg.model.init_from, cfg.tokenizer = os.path.abspath(path), "init_from"
+    policy = load_hf(path)
+    return dataclasses.replace(policy, max_new_tokens=int(cfg.agent.max_response_tokens),
+                               max_prompt_len=int(cfg.agent.max_context_tokens), levels=tuple(cfg.task.levels),
+                               seed=int(cfg.seed), config=cfg)
 
 
 # ------------------------------------------------------------------------------ tasks and prompts
@@ -359,8 +388,15 @@ def evaluate_agent(args: argparse.Namespace, policy: Policy, pool: Any, log=prin
                              temperature=args.temperature, mode=cfg.agent.prefill)
     log(f"{len(tasks)} {args.tasks} tasks, {args.samples} episodes each")
     t0 = time.perf_counter()
-    m = agent.evaluate(tasks, sampler, policy.params, jax.random.key(args.seed), pool, policy.tokenizer, cfg, "eval")
+    episodes: list = []
+    m = agent.evaluate(tasks, sampler, policy.params, jax.random.key(args.seed), pool, policy.tokenizer, cfg, "eval",
+                       keep=episodes)
     n = args.samples
+    solved = np.asarray([e.success for e in episodes]).reshape(len(tasks), n)
+    per_task = [{"task_id": t.task_id, "difficulty": t.difficulty, "n": n, "c": int(solved[i].sum())}
+                for i, t in enumerate(tasks)]
+    transcripts = [{"task_id": t.task_id, "prompt": t.instruction, "completion": episode_text(episodes[i * n]),
+                    "passed": bool(solved[i, 0])} for i, t in enumerate(tasks[:NUM_TRANSCRIPTS])]
     ks = sorted({1, n})
     overall = {f"pass@{k}": float(m[f"eval/pass@{k}"]) for k in ks}
     by_level = {}
@@ -375,8 +411,27 @@ def evaluate_agent(args: argparse.Namespace, policy: Policy, pool: Any, log=prin
         "tasks": {"evaluated": len(tasks), "left_out_too_long": 0}, "overall": overall, "by_difficulty": by_level,
         "grading": {k.split("/", 1)[1]: v for k, v in m.items() if any(w in k for w in ("infra", "timeout", "hack"))},
         "episode_metrics": m,
-        "seconds": {"total": round(time.perf_counter() - t0, 2)}, "per_task": [], "transcripts": [],
+        "seconds": {"total": round(time.perf_counter() - t0, 2)}, "per_task": per_task, "transcripts": transcripts,
     }
+
+
+def episode_text(episode: Any, limit: int = 400) -> str:
+    """An episode as text: each turn the policy generated, then each of its tool calls with the
+    start of the observation (cut at `limit` characters), and how the episode ended."""
+    traj = episode.trajectory
+    calls: dict[int, list] = {}
+    for call in traj.tool_calls:
+        calls.setdefault(call.turn, []).append(call)
+    lines = []
+    for turn in traj.turns:
+        lines.append(f"# turn {turn.index} ({turn.kind}{', truncated' if turn.truncated else ''})")
+        lines.append(turn.text.rstrip("\n"))
+        for call in calls.get(turn.index, []):
+            obs = call.observation if len(call.observation) <= limit else call.observation[:limit] + " [...]"
+            lines.append(f"# -> {call.name or '?'}: {call.status}" + (f" ({call.error})" if call.error else ""))
+            lines += [f"#    {line}" for line in obs.rstrip("\n").splitlines()]
+    lines.append(f"# end: {traj.end_reason}; reward {episode.reward:.3f}; flags {list(episode.flags)}")
+    return "\n".join(lines)
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -409,8 +464,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.tasks in COMPLETION:
             policy = load_run(args.run, args.step) if args.run else load_hf(args.hf)
-        else:
+        elif args.run:
             policy = load_run(args.run, args.step, job="agent")
+        else:
+            policy = load_hf_agent(args.hf, args.agent_config)
         policy, mesh = on_mesh(policy, args.mesh)
         shards = mesh["data"] * mesh["fsdp"]
         if args.batch % shards:

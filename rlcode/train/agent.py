@@ -56,14 +56,17 @@ from rlcode.train.step import make_logprob_fn
 
 
 def evaluate(tasks: Sequence[repo_tasks.RepoTask], sampler: SessionSampler, params: Any, key: jax.Array, pool: Any,
-             tokenizer: Tokenizer, cfg: Any, prefix: str) -> dict[str, float]:
-    """`eval.num_samples` episodes per task: success (= pass@1), pass@k, best-of-n, behaviour."""
+             tokenizer: Tokenizer, cfg: Any, prefix: str, keep: list[Episode] | None = None) -> dict[str, float]:
+    """`eval.num_samples` episodes per task: success (= pass@1), pass@k, best-of-n, behaviour.
+    `keep`: a list that receives the played episodes (task by task, n each)."""
     n = cfg.eval.num_samples
     flat = [t for t in tasks for _ in range(n)]
     episodes: list[Episode] = []
     for i in range(0, len(flat), sampler.rows):
         episodes += play_episodes(flat[i:i + sampler.rows], sampler, params, jax.random.fold_in(key, i), pool,
                                   tokenizer, cfg)
+    if keep is not None:
+        keep.extend(episodes)
     correct = np.array([e.success for e in episodes]).reshape(len(tasks), n)
     out = episode_metrics(episodes, prefix)
     out.update({f"{prefix}/{k}": v for k, v in eval_summary(correct, ks=(1, n)).items()})

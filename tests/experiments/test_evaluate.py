@@ -96,7 +96,8 @@ def test_pass_at_k_and_difficulty_tables_equal_the_oracle(sandbox_pool, monkeypa
     (["--run", "x", "--prompt", "chat"], "--prompt chat"),
     (["--hf", "x", "--step", "3"], "--step applies to --run"),
     (["--run", "x", "--publish", "../x"], "--publish NAME"),
-    (["--hf", "x", "--tasks", "mined"], "evaluates an agent run"),
+    (["--hf", "x", "--tasks", "mined", "--prompt", "chat"], "--prompt does not apply"),
+    (["--run", "x", "--tasks", "mined", "--agent_config", "c.py"], "--agent_config applies to --hf"),
     (["--run", "x", "--tasks", "repo", "--samples", "4", "--k", "1,2"], "pass@1 and pass@n"),
 ])
 def test_bad_arguments_are_one_line_errors(argv, message, capsys):
@@ -181,3 +182,38 @@ def test_sampling_on_a_mesh_of_four_devices_gives_the_single_device_samples(run_
         assert reports[mesh]["per_task"] == one["per_task"], mesh
         assert [t["completion"] for t in reports[mesh]["transcripts"]] == \
             [t["completion"] for t in one["transcripts"]], mesh
+
+
+def test_a_hugging_face_checkpoint_plays_agent_episodes_on_repository_tasks(tmp_path):
+    """--hf with --tasks repo: the episodes take the agent config's settings (here a smaller
+    one), the checkpoint's tokenizer, and the report counts and shows every episode."""
+    from support import hf_families
+
+    ckpt = tmp_path / "qwen2"
+    tok = hf_families.write_tokenizer(ckpt, "qwen")
+    hf_families.write_checkpoint(ckpt, "qwen2", vocab_size=tok.get_vocab_size(), seed=3)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    config = tmp_path / "agent_small.py"
+    config.write_text(
+        "import importlib.util\n"
+        f"spec = importlib.util.spec_from_file_location('agent_repo_base', {os.path.join(root, 'configs', 'agent_repo.py')!r})\n"
+        "base = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(base)\n\n\n"
+        "def get_config():\n"
+        "    cfg = base.get_config()\n"
+        "    cfg.agent.update(max_turns=2, max_response_tokens=24, max_context_tokens=1536)\n"
+        "    cfg.task.num_eval = 2\n"
+        "    return cfg\n")
+    out = tmp_path / "out"
+    assert evaluate.main(["--hf", str(ckpt), "--tasks", "repo", "--agent_config", str(config), "--samples", "2",
+                          "--k", "1,2", "--batch", "1", "--temperature", "1.0", "--out", str(out)]) == 0
+    report = json.loads((out / "evaluate.json").read_text())
+    assert report["policy"] == {"hf": str(ckpt)} and report["prompt"] == "agent"
+    assert report["tasks"]["evaluated"] == 2 and [r["n"] for r in report["per_task"]] == [2, 2]
+    assert report["settings"]["max_new_tokens"] == 24 and report["settings"]["max_prompt_len"] == 1536
+    m = report["episode_metrics"]
+    assert m["eval/turns"] > 0 and m["eval/pass@2"] >= m["eval/pass@1"] == report["overall"]["pass@1"]
+    for t in report["transcripts"]:
+        assert t["completion"].startswith("# turn 0 (action") and "# end: " in t["completion"]
+    with pytest.raises(SystemExit, match="not an agent config"):
+        evaluate.load_hf_agent(str(ckpt), os.path.join(root, "configs", "grpo_synth.py"))

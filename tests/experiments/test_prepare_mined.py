@@ -108,5 +108,10 @@ def test_the_agent_job_trains_on_mined_tasks(fixture_project, tmp_path):
     report = json.loads((out / "evaluate.json").read_text())
     assert report["source"] == "mined" and report["tasks"]["evaluated"] == 1 and report["policy"]["step"] == 1
     assert 0.0 <= report["overall"]["pass@1"] <= 1.0
+    (row,), (transcript,) = report["per_task"], report["transcripts"]
+    assert row["n"] == 1 and row["c"] == report["overall"]["pass@1"] and row["task_id"] == transcript["task_id"]
+    assert transcript["prompt"].startswith("Some tests of `")  # the task's statement
+    assert transcript["completion"].startswith("# turn 0 (action") and "\n# end: " in transcript["completion"]
+    assert f"### {row['task_id']} (passed: {transcript['passed']})" in (out / "evaluate.md").read_text()
     with pytest.raises(SystemExit, match="'agent' run"):
         evaluate.load_run(str(tmp_path / "run"), None)  # a synthesis evaluation refuses an agent run

@@ -859,8 +859,12 @@ def test_writes_before_a_timeout_an_output_flood_or_a_cancel_are_kept(pool, tmp_
     assert r.status == "timeout", r
     r = pool.run(["sh", "-c", "echo early > flood.txt; yes"], workdir=str(wd), timeout=20)
     assert r.status == "output_limit", r
-    nap = f"60.{uuid.uuid4().int % 10**9}"  # a sleep running means the write before it is done
-    fut = pool.submit(["sh", "-c", f"echo early > cancel.txt; exec sleep {nap}"], workdir=str(wd), timeout=60)
+    # A sleep running means the write before it is done. The shell computes the sleep's argument,
+    # so its own command line (which runs before the write) does not hold the token waited for.
+    a, b = uuid.uuid4().int % 10**8, uuid.uuid4().int % 10**8
+    nap = f"sleep 60.{a + b}"
+    fut = pool.submit(["sh", "-c", f"echo early > cancel.txt; exec sleep 60.$(({a} + {b}))"], workdir=str(wd),
+                      timeout=60)
     end = time.monotonic() + 20
     while not leftover_processes(nap, uid_base=0, n=0) and time.monotonic() < end:
         time.sleep(0.01)
