@@ -140,7 +140,8 @@ class SessionSampler:
         for i, (r, t) in enumerate(items):
             rows[i], lengths[i], num[i] = r, self.lengths[r], len(t)
             tokens[i, : len(t)] = t
-        self.cache, hidden = sampling.extend_session(self.graphdef, self.params, self.cache, rows, tokens, lengths, num)
+        self.cache, hidden = sampling.extend_session(self.graphdef, self.params, self.cache, rows, tokens, lengths, num,
+                                                     span=_span(lengths.max()))
         for i, (r, t) in enumerate(items):
             self.lengths[r] += len(t)
             last[r] = hidden[i]
