@@ -13,10 +13,12 @@
   put it elsewhere.
 * XLA compiles with its cheapest backend settings (`FAST_COMPILE`, added to XLA_FLAGS): the
   suite's cost is mostly compiling small programs, not running them.
-* Marker ``slow``: whole-job runs beyond one end-to-end test per job, multi-process, Ray and
-  8-device subprocess tests. They are left out unless ``--slow`` is given (or an explicit ``-m``
-  selects them): ``pytest`` alone is the fast development run, ``pytest --slow`` the full suite
-  that CI runs (README, Tests).
+* Two tiers. ``pytest --slow`` is the full suite, what CI runs (README, Tests). ``pytest`` alone
+  is the development run: it leaves out the tests marked ``slow`` (whole-job runs beyond one
+  end-to-end test per job, scripts' quick modes, multi-process, Ray and multi-device subprocess
+  tests, and any test that takes more than about two seconds on a 2-core machine) and runs only
+  the first case of each parametrized test among those collected, so every other test function
+  runs at least once. An explicit ``-m`` expression selects by marker instead, with every case.
 """
 
 import importlib.metadata
@@ -86,13 +88,21 @@ def sandbox_pool():
 
 def pytest_addoption(parser):
     parser.addoption("--slow", action="store_true",
-                     help="also run the tests marked slow (the full suite, as CI runs it)")
+                     help="the full suite, as CI runs it: the tests marked slow and every case of each "
+                          "parametrized test (without it: the development run, see tests/conftest.py)")
 
 
 def pytest_collection_modifyitems(config, items):
     if config.getoption("--slow") or config.getoption("markexpr"):
         return  # the full suite, or an explicit -m expression decides
-    slow = [item for item in items if item.get_closest_marker("slow")]
-    if slow:
-        config.hook.pytest_deselected(items=slow)
-        items[:] = [item for item in items if not item.get_closest_marker("slow")]
+    kept, left_out, functions = [], [], set()
+    for item in items:
+        function = item.nodeid.split("[", 1)[0]
+        if item.get_closest_marker("slow") or function in functions:
+            left_out.append(item)
+        else:
+            functions.add(function)
+            kept.append(item)
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = kept

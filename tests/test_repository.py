@@ -4,6 +4,8 @@ import math
 import os
 import re
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -49,6 +51,7 @@ def test_readme_figures_exist_and_are_regenerated_by_the_figure_script():
     assert set(images) <= drawn, sorted(set(images) - drawn)
 
 
+@pytest.mark.slow
 def test_readme_examples_run():
     """The README's python blocks run in order, in one namespace, as a reader would paste them."""
     text = open(os.path.join(ROOT, "README.md")).read()

@@ -300,6 +300,7 @@ def test_table_only_reads_a_run_killed_mid_line_and_resumed(tmp_path, capsys):
     assert "| loss=grpo | 1/1 | 0.300 |" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_run_the_trainer_refuses_is_recorded_with_its_one_line_reason(tmp_path, capsys, monkeypatch):
     """The real trainer refuses to resume a started run whose saved config differs (exit 2); the
     grid records the failure with that line and goes on."""
@@ -415,6 +416,7 @@ def test_failed_run_is_recorded_then_resumed(fake_trainer, monkeypatch, capsys):
     assert "--table_only" not in json.loads((tmp / "results" / "ablate_loss.json").read_text())["command"]
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_the_child_once_and_writes_the_partial_table(fake_trainer):
     tmp = fake_trainer
     env = dict(os.environ, FAKE_MODE="sleep")
@@ -450,6 +452,7 @@ TINY = ["model.d_model=32", "model.num_layers=1", "model.num_heads=2", "model.nu
         "eval.prompts_per_batch=4", "sandbox.workers=1"]
 
 
+@pytest.mark.slow
 def test_cli_end_to_end_then_skips_completed_runs(tmp_path, monkeypatch, capsys):
     args = ["--config=configs/grpo_synth.py", "--sweep=loss:grpo,dapo", "--seeds=1", f"--out_dir={tmp_path / 'runs'}",
             f"--results_dir={tmp_path / 'results'}", f"--fig_dir={tmp_path / 'fig'}", "--name=tiny", "--threshold=0"]

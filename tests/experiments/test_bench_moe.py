@@ -8,10 +8,12 @@ import sys
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.mark.slow
 def test_bench_moe_quick(tmp_path):
     path = tmp_path / "bench.json"
     # capacity_factor 1.0 makes the capacity variants drop some assignments at these sizes.

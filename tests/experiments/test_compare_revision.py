@@ -30,6 +30,7 @@ def _run(tmp_path, *args):
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_the_old_graders_pay_attacks_that_the_new_ones_do_not(tmp_path):
     record = _run(tmp_path, "--what=graders", "--quick")
     attacks = {a["attack"]: a for a in record["synthesis_attacks"]}
@@ -43,6 +44,7 @@ def test_the_old_graders_pay_attacks_that_the_new_ones_do_not(tmp_path):
     assert repo["report_emit_traceback_walk"]["checks"] == 0.0 and repo["report_emit_traceback_walk"]["pytest"] == 1.0
 
 
+@pytest.mark.slow
 def test_sandbox_latency_of_both_trees(tmp_path):
     record = _run(tmp_path, "--what=sandbox", "--rounds=2", "--executions=5")
     assert [len(record["rounds"][w]) for w in ("before", "now")] == [2, 2]

@@ -32,6 +32,7 @@ def run_dir(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 def test_a_run_on_synth_and_humaneval_writes_the_run_directory_only(run_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # the default output and results/ would land here
     assert evaluate.main(["--run", str(run_dir), "--tasks", "synth", "--limit", "3", "--samples", "2",
@@ -184,6 +185,7 @@ def test_sampling_on_a_mesh_of_four_devices_gives_the_single_device_samples(run_
             [t["completion"] for t in one["transcripts"]], mesh
 
 
+@pytest.mark.slow
 def test_a_hugging_face_checkpoint_plays_agent_episodes_on_repository_tasks(tmp_path):
     """--hf with --tasks repo: the episodes take the agent config's settings (here a smaller
     one), the checkpoint's tokenizer, and the report counts and shows every episode."""

@@ -85,6 +85,7 @@ def drawn(tmp_path_factory):
     return root, out, rc, buf.getvalue()
 
 
+@pytest.mark.slow
 def test_every_figure_is_drawn_small_and_captioned(drawn):
     root, out, rc, stdout = drawn
     assert rc == 0, stdout

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from experiments import hack_suite
 from rlcode.envs import hacks
 
@@ -18,6 +20,7 @@ SUBSET = ("reference_solution", "wrong_solution", "exit_at_import_os_exit", "con
           "solve_and_delete_tests", "report_emit_traceback_walk")
 
 
+@pytest.mark.slow
 def test_hack_suite_on_a_subset(tmp_path):
     out = tmp_path / "hs.json"
     argv = ["--levels=1", "--seed=0", f"--hacks={','.join(SUBSET)}", "--synth=main_globals,forge_late_thread",

@@ -5,11 +5,14 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from rlcode.train.metrics import read_scalars
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.mark.slow
 def test_moe_precision_quick(tmp_path):
     out = tmp_path / "mp.json"
     proc = subprocess.run(

@@ -53,6 +53,7 @@ def test_bad_batch_split_is_a_clear_error(tmp_path):
         objectives_demo.run(cfg, verbose=False)
 
 
+@pytest.mark.slow
 def test_cli_with_overrides(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "experiments.objectives_demo", "--config=configs/objectives_demo.py:cispo",

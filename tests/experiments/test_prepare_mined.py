@@ -32,6 +32,7 @@ def fixture_project(tmp_path, monkeypatch):
     return cache
 
 
+@pytest.mark.slow
 def test_mines_reports_and_splits_a_pinned_project(fixture_project, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # a relative cache path, as the default is
     assert prepare_mined.main(["--projects", "fixture", "--tasks_per_project", "3", "--cache", "cache",

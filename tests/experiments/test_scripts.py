@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -14,6 +16,7 @@ def run(*argv):
     return out.stdout
 
 
+@pytest.mark.slow
 def test_bench_sampling_quick(tmp_path):
     path = tmp_path / "bench.json"
     stdout = run("experiments.bench_sampling", "--quick", "--repeats=1", f"--out={path}")
@@ -25,6 +28,7 @@ def test_bench_sampling_quick(tmp_path):
         assert r["baseline_s"] > 0 and r["ours_s"] > 0
 
 
+@pytest.mark.slow
 def test_model_info_counts_qwen_shape():
     stdout = run("experiments.model_info", "--config=configs/model.py:qwen0.5b", "--config.mesh.data=1",
                  "--config.mesh.fsdp=4", "--config.mesh.tensor=2")
@@ -42,6 +46,7 @@ def test_model_info_counts_qwen_shape():
     assert specs["['block_0']['mlp']['w_gate']"] == "P(None, 'tensor')"
 
 
+@pytest.mark.slow
 def test_bench_logprobs_quick(tmp_path):
     path = tmp_path / "bench.json"
     stdout = run("experiments.bench_logprobs", "--quick", f"--out={path}")
@@ -56,6 +61,7 @@ def test_bench_logprobs_quick(tmp_path):
     assert chunked["xla_temp_bytes"] < naive["xla_temp_bytes"] / 4
 
 
+@pytest.mark.slow
 def test_bench_load_writes_loads_and_reports_memory(tmp_path):
     path = tmp_path / "bench.json"
     stdout = run("experiments.bench_load", "--shape=tiny", f"--workdir={tmp_path}", "--repeats=1", "--shard_mb=1",

@@ -81,6 +81,7 @@ def test_config_errors_are_one_line_and_exit_2(tmp_path, flag, texts):
     assert not run.exists() and not (tmp_path / "sft").exists()  # refused before the warm start
 
 
+@pytest.mark.slow
 def test_agent_config_errors_and_a_changed_resume_are_refused(tmp_path):
     out = run_train("--config=configs/agent_repo.py", "--config.agent.max_turn=3", f"--config.workdir={tmp_path}")
     assert_one_line_error(out, "agent.max_turn", "agent.max_turns")

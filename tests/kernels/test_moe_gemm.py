@@ -64,6 +64,7 @@ def value_and_grads(fn, x, w, dy):
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("M,D,F,gs", CASES)
+@pytest.mark.slow
 def test_float32_values_and_grads_match_the_loop(impl, M, D, F, gs):
     x, w, gs, dy = random_case(M, D, F, gs)
     got = value_and_grads(lambda a, b: grouped_call(impl, a, b, jnp.asarray(gs)), x, w, dy)
@@ -146,6 +147,7 @@ def mx_oracle(x, w, gs, dy):
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("M,D,F,gs", [CASES[0], (70, 64, 48, [33, 0, 31, 6])])
+@pytest.mark.slow
 def test_mxfp8_matches_per_expert_quantised_loop(impl, M, D, F, gs):
     x, w, gs, dy = random_case(M, D, F, gs, seed=1)
     got = value_and_grads(lambda a, b: grouped_call(impl, a, b, jnp.asarray(gs), "mxfp8"), x, w, dy)
@@ -153,6 +155,7 @@ def test_mxfp8_matches_per_expert_quantised_loop(impl, M, D, F, gs):
         np.testing.assert_allclose(np.asarray(g), want, rtol=1e-5, atol=1e-4, err_msg=name)
 
 
+@pytest.mark.slow
 def test_mxfp8_error_against_exact_is_within_e4m3_rounding():
     M, D, F, gs = 96, 64, 64, [40, 24, 0, 32]
     x, w, gs, dy = random_case(M, D, F, gs, seed=2)
@@ -166,6 +169,7 @@ def test_mxfp8_error_against_exact_is_within_e4m3_rounding():
 
 
 @pytest.mark.parametrize("block_m", [1, 4, 16])
+@pytest.mark.slow
 def test_cpu_tiled_engine_equals_ragged_dot(block_m):
     """The CPU engine (a loop over row tiles) equals jax.lax.ragged_dot, values and gradients,
     with groups spanning several tiles, empty groups and rows past the last group."""

@@ -298,6 +298,7 @@ def test_decode_equals_full_forward_with_rows_at_different_positions():
         np.testing.assert_allclose(got, full[np.arange(B), t_b], atol=2e-5, rtol=2e-5, err_msg=f"t={t}")
 
 
+@pytest.mark.slow
 def test_decode_equals_full_forward_with_shared_prefix_cache():
     """The sampler's layout: prompts shared by G rows (lengths 21 and 9, so compression blocks
     straddle the prompt/generation boundary), each row's generated tail in its own suffix."""

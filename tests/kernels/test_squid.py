@@ -74,6 +74,7 @@ IMPLS = ["xla", pytest.param("triton", marks=pytest.mark.skipif(TRITON_REASON is
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.slow
 def test_forward_and_gradients_match_dense_oracle(impl, layout):
     doc_lens, glen, pad, block, N, K = layout
     rng = np.random.default_rng(sum(doc_lens) * 31 + glen + N)
@@ -141,6 +142,7 @@ def test_reference_skips_blocks_outside_documents():
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.slow
 def test_global_attention_over_cached_documents_equals_packed_forward(impl):
     rng = np.random.default_rng(7)
     doc_lens, glen, H, N, K = (6, 10, 3), 9, 16, 4, 2

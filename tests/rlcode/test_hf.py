@@ -85,6 +85,7 @@ def test_save_then_load_is_bit_identical_and_readable_by_the_oracle(tmp_path, fa
     assert_close_to_oracle(logits_of(model, TOKENS), hf_families.numpy_forward(config, stored, TOKENS))
 
 
+@pytest.mark.slow
 def test_a_model_trained_here_exports_as_the_family_its_config_matches(tmp_path):
     for overrides, arch in (({}, "LlamaForCausalLM"), ({"qk_norm": True}, "Qwen3ForCausalLM"),
                             ({"qkv_bias": True, "tie_embeddings": True}, "Qwen2ForCausalLM")):
@@ -249,6 +250,7 @@ print(json.dumps({"same": bool(same), "specs": specs, "logits_err": float(np.max
 """
 
 
+@pytest.mark.slow
 def test_loading_onto_a_mesh_places_each_parameter_on_its_sharding(tmp_path):
     hf_families.write_checkpoint(tmp_path / "ckpt", "qwen2", shards=2)
     env = dict(os.environ, XLA_FLAGS=xla_flags(4), JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
@@ -264,6 +266,7 @@ def test_loading_onto_a_mesh_places_each_parameter_on_its_sharding(tmp_path):
 
 
 @pytest.mark.parametrize("family", hf_families.FAMILIES)
+@pytest.mark.slow
 def test_a_loaded_model_samples_scores_trains_and_checkpoints_unchanged(tmp_path, family):
     """The sampler's behaviour log-probs equal the training forward's (chunked log-probs), a train
     step runs on the loaded parameters, and the train state checkpoints and restores exactly."""

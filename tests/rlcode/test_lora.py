@@ -32,6 +32,7 @@ def randomise_b(model, seed=1, std=0.2):
     return model
 
 
+@pytest.mark.slow
 def test_fresh_adapters_leave_the_forward_unchanged():
     model = init_model(model_config(vocab_size=64, qkv_bias=True, qk_norm=True), seed=0)
     before = logits(model)
@@ -47,6 +48,7 @@ def _f64(x):
     return np.asarray(jax.device_get(x), np.float64)
 
 
+@pytest.mark.slow
 def test_update_matches_a_float64_oracle_and_merging_changes_nothing():
     model = init_model(model_config(vocab_size=64, num_layers=1), seed=0)
     cfg = lora_lib.LoraConfig(rank=3, alpha=6.0)
@@ -108,6 +110,7 @@ def _train_one_step(model, trainable, V, **loss_overrides):
     return before, jax.tree.map(np.asarray, state.params), opt_state, metrics
 
 
+@pytest.mark.slow
 def test_a_train_step_changes_only_the_adapters_and_keeps_moments_only_for_them():
     model = step_check.build()[0]
     lora_lib.add_lora(model, lora_lib.LoraConfig(rank=4, targets=("q", "v", "o", "down")), seed=0)
@@ -131,6 +134,7 @@ def test_a_train_step_changes_only_the_adapters_and_keeps_moments_only_for_them(
     assert sum(x.nbytes for x in moments) == 2 * 4 * sum(adapter_sizes)
 
 
+@pytest.mark.slow
 def test_default_optimizer_and_step_are_unchanged_by_the_trainable_argument():
     """trainable=None keeps every parameter trained and moments for all of them."""
     model = step_check.build()[0]
@@ -140,6 +144,7 @@ def test_default_optimizer_and_step_are_unchanged_by_the_trainable_argument():
     assert sum(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after))) > 10
 
 
+@pytest.mark.slow
 def test_bfloat16_base_with_float32_adapters_trains():
     model = init_model(model_config(vocab_size=96, param_dtype="bfloat16", dtype="bfloat16"), seed=0)
     lora_lib.add_lora(model, lora_lib.LoraConfig(rank=4, dtype="float32"), seed=0)
@@ -159,6 +164,7 @@ def test_bfloat16_base_with_float32_adapters_trains():
     assert any(not np.array_equal(a, b) for a, b, f in zip(jax.tree.leaves(before), jax.tree.leaves(after), flags) if f)
 
 
+@pytest.mark.slow
 def test_save_and_load_adapters_round_trip_and_refuse_a_mismatch(tmp_path):
     cfg = lora_lib.LoraConfig(rank=4, alpha=8.0, targets=("q", "k", "up"))
     source = randomise_b(lora_lib.add_lora(init_model(model_config(vocab_size=64), seed=0), cfg, seed=0))
@@ -195,6 +201,7 @@ def dataclass_fields(cfg):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.slow
 def test_lora_on_a_bfloat16_checkpoint_base_trains_only_the_adapters(tmp_path, family):
     """QLoRA-style: a checkpoint of each family loaded as a bfloat16 base under float32 adapters."""
     write_checkpoint(tmp_path / "src", family)
@@ -211,6 +218,7 @@ def test_lora_on_a_bfloat16_checkpoint_base_trains_only_the_adapters(tmp_path, f
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.slow
 def test_lora_on_a_hugging_face_checkpoint_merges_and_exports(tmp_path, family):
     write_checkpoint(tmp_path / "src", family)
     model = hf.load_checkpoint(tmp_path / "src", dtype="float32", param_dtype="float32")

@@ -305,6 +305,7 @@ def _toy_problem(seed, B=8, T=10, V=5):
 
 @pytest.mark.parametrize("agg", AGGS)
 @pytest.mark.parametrize("kind", ["ppo", "gspo"])
+@pytest.mark.slow
 def test_microbatch_accumulation_equals_full_batch(agg, kind):
     params, batch, logp_fn = _toy_problem(21)
     c = cfg(kind=kind, agg=agg, norm_length=12, is_mode="tis", clip_low=0.1, clip_high=0.1,
@@ -537,6 +538,7 @@ def test_extreme_log_ratios_are_clamped():
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.slow
 def test_jit_vmap_and_bfloat16(kind):
     B, T = 4, 6
     logp, old, beh, adv, mask = random_inputs(14, B, T)

@@ -122,6 +122,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c['router']}-{c['dispatch']}")
+@pytest.mark.slow
 def test_matches_per_token_loop_values_and_grads(case):
     layer = make_layer(seed=1, aux_loss_coef=0.3, z_loss_coef=0.05, **case)
     opts = moe_lib.moe_config(num_experts=E, top_k=K, expert_ffw_dim=F, aux_loss_coef=0.3, z_loss_coef=0.05, **case)
@@ -161,6 +162,7 @@ def test_matches_per_token_loop_values_and_grads(case):
     np.testing.assert_allclose(np.asarray(grads[1]), np.asarray(grads_o[1]), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_dropless_equals_capacity_without_drops():
     x = random_inputs(4, B=4, T=8)
     y_dl, aux_dl = make_layer(seed=2, dispatch="dropless")(x)
@@ -245,6 +247,7 @@ def test_aux_free_bias_moves_the_load_toward_uniform():
     np.testing.assert_allclose(np.asarray(layer.router_bias[...]), -0.02 * np.sign(loads[0] - loads[0].mean()))
 
 
+@pytest.mark.slow
 def test_mxfp8_experts_are_close_to_bf16():
     x = random_inputs(8, B=4, T=16, d=64)
     ref = make_layer(seed=6, d_model=64, expert_ffw_dim=64, num_shared_experts=1)
@@ -289,6 +292,7 @@ def tiny_moe_model(**opts):
     return init_model(cfg, seed=0)
 
 
+@pytest.mark.slow
 def test_moe_transformer_trains_in_the_train_step():
     """The train step adds exactly the "_loss" aux entries to the objective, reports the others as
     metrics, and a sigmoid-routed MoE Transformer trains (loss decreases) with bias updates."""

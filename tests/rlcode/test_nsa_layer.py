@@ -27,6 +27,7 @@ def nsa_config(shared_kv=True, **kw):
 
 
 @pytest.mark.parametrize("shared_kv,qk_norm", [(True, False), (False, True)])
+@pytest.mark.slow
 def test_decode_loop_matches_full_forward_logits(shared_kv, qk_norm):
     """Prompts of lengths 11 and 5 shared by G = 2 rows each; 14 generated tokens per row, so
     compression blocks straddle the prompt/generation boundary and complete during decoding."""
@@ -55,6 +56,7 @@ def test_decode_loop_matches_full_forward_logits(shared_kv, qk_norm):
 
 
 @pytest.mark.parametrize("shared_kv", [True, False])
+@pytest.mark.slow
 def test_sampler_behaviour_logprobs_equal_training_forward(shared_kv):
     model = init_model(nsa_config(shared_kv, tie_embeddings=False), seed=7)
     graphdef, state = nnx.split(model)
@@ -79,6 +81,7 @@ def test_sampler_behaviour_logprobs_equal_training_forward(shared_kv):
     assert diff.max() < 1e-4, diff.max()
 
 
+@pytest.mark.slow
 def test_tiny_nsa_model_trains():
     model = init_model(nsa_config(shared_kv=False), seed=0)
     graphdef, params = nnx.split(model, nnx.Param)

@@ -104,6 +104,7 @@ def test_prng_is_per_row_and_reproducible(model_parts):
     assert len(group0) > 1
 
 
+@pytest.mark.slow
 def test_shared_prefix_group_equals_replicated_prompts(model_parts):
     """G rows decoded against one prefix = the prompt prefilled G times (same row keys)."""
     graphdef, params = model_parts
@@ -116,6 +117,7 @@ def test_shared_prefix_group_equals_replicated_prompts(model_parts):
     np.testing.assert_allclose(np.asarray(shared.logprobs), np.asarray(rep.logprobs), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_top_k_1_is_greedy_against_full_forward(model_parts):
     graphdef, params = model_parts
     prompts, lengths = prompts_and_lengths()
@@ -135,6 +137,7 @@ def test_top_k_1_is_greedy_against_full_forward(model_parts):
     np.testing.assert_allclose(np.asarray(out.logprobs)[np.asarray(out.mask)], 0.0, atol=1e-6)  # one-token support
 
 
+@pytest.mark.slow
 def test_first_token_distribution(model_parts):
     """Empirical first-token frequencies match softmax of the processed logits."""
     graphdef, params = model_parts

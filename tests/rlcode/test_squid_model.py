@@ -58,6 +58,7 @@ def context_hidden(model, doc_sets, prompts, mode, start=0):
 
 
 @pytest.mark.parametrize("mode", ["shared", "sequential"])
+@pytest.mark.slow
 def test_cached_documents_equal_the_packed_forward(model, mode):
     rng = np.random.default_rng(0)
     docs = make_docs(rng, [9, 4, 13])

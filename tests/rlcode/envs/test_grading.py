@@ -779,6 +779,7 @@ def test_attacks_on_the_verdict_from_inside_the_process(hack, grader, tmp_path):
 # Timeouts, crashes, deep trees and infrastructure failures.
 
 @pytest.mark.parametrize("grader", GRADERS)
+@pytest.mark.slow
 def test_timeout_and_crash_score_zero(grader, tmp_path):
     task = for_grader(task_of("fix_constant"), grader)
     result = run_grade(task, plant(hacks.HACKS["infinite_loop"], task, tmp_path), tmp_path, timeout=2)
@@ -842,6 +843,7 @@ def test_infrastructure_failure_is_masked_not_scored(executor, grader, tmp_path)
 
 
 @pytest.mark.parametrize("mode", ["checks", "checks_inprocess", "pytest"])
+@pytest.mark.slow
 def test_grading_through_the_sandbox_pool(mode, sandbox_pool, tmp_path):
     grader = "pytest" if mode == "pytest" else "checks"
     task = for_grader(task_of("add_rule"), grader)

@@ -83,6 +83,7 @@ def package_verdicts(items):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_every_reference_solution_passes(sandbox_pool):
     tasks = he.load()
     assert len(tasks) == he.NUM_PROBLEMS == 164
@@ -91,6 +92,7 @@ def test_every_reference_solution_passes(sandbox_pool):
     assert not failed
 
 
+@pytest.mark.slow
 def test_verdicts_equal_the_packages_except_where_it_is_fooled(sandbox_pool):
     cases = [(he.get(pid), kind, body) for pid in PROBLEMS for kind, body in completions(he.get(pid))]
     theirs = package_verdicts([{"task_id": t.task_id, "completion": body} for t, _, body in cases])
@@ -226,6 +228,7 @@ def test_a_missing_package_is_named(monkeypatch):
         he._problems.cache_clear()
 
 
+@pytest.mark.slow
 def test_the_synthesis_job_trains_on_humaneval(tmp_path, sandbox_pool):
     """`source=humaneval`: the pools are HumanEval's splits, SFT imitates the reference solutions
     and GRPO steps on HumanEval prompts graded by the replayed checks."""

@@ -49,6 +49,7 @@ def test_coverage_finds_the_functions_the_tests_call(project):
     assert {name for name, line in defs.items() if line in lines} == set(defs) - {"never_called"}
 
 
+@pytest.mark.slow
 def test_mining_keeps_bugs_that_turn_the_suite_red_and_grades_like_the_agent_job(project, tmp_path):
     tasks, report = mined.mine(project, "calc", ["tests"], LocalExecutor(), project="calc", version="0",
                                max_tasks=4, seed=1, timeout=20, work=str(tmp_path / "work"))
@@ -78,6 +79,7 @@ def test_mining_keeps_bugs_that_turn_the_suite_red_and_grades_like_the_agent_job
     assert task.files[edit.path].replace(edit.old, edit.new) == task.solution_files[edit.path]
 
 
+@pytest.mark.slow
 def test_rejections_are_named(project, tmp_path):
     executor = LocalExecutor()
     baseline = mined.run_tests(project, ["tests"], executor, timeout=20)

@@ -52,6 +52,7 @@ def grading(tmp_path_factory):
 
 
 @pytest.mark.parametrize("family", list(rt.FAMILIES))
+@pytest.mark.slow
 def test_solution_passes_heldout_and_start_fails(grading, family):
     task, [(rc_solved, out_solved), (rc_start, out_start)] = grading[family]
     expected = count_tests(task.heldout_tests) + count_tests({p: task.files[p] for p in task.visible_test_files})

@@ -51,6 +51,7 @@ def test_rendered_source_matches_interpreter():
         checked += 1
 
 
+@pytest.mark.slow
 def test_reference_passes_inprocess_and_examples_are_consistent():
     for task in _sample_tasks():
         assert 3 <= len(task.examples) <= 4 and 8 <= len(task.tests) <= 12
@@ -156,6 +157,7 @@ def test_invalid_arguments():
         S.generate_task(0, 1, "test")
 
 
+@pytest.mark.slow
 def test_grading_through_sandbox_pool(sandbox_pool):
     tasks = [S.generate_task(seed, level, split) for split in S.SPLITS
              for level in S.LEVELS for seed in range(2)]

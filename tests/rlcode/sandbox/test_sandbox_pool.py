@@ -327,6 +327,7 @@ def _assert_sibling_ok(fut: cf.Future) -> None:
     assert r.ok and r.stdout == b"sibling-ok\n", r
 
 
+@pytest.mark.slow
 def test_fork_bomb_is_contained(pool):
     need(pool, "kill_whole_process_tree", "processes_limit_per_execution")
     tok = _token()
@@ -369,6 +370,7 @@ def test_setsid_grandchild_does_not_outlive_the_execution(pool):
     assert_no_leftovers(tok, within=0.0)
 
 
+@pytest.mark.slow
 def test_spin_ignoring_signals_is_killed_at_the_deadline(pool):
     tok = _token()
     code = textwrap.dedent(f"""
@@ -852,6 +854,7 @@ def test_workdir_outside_tmp_leaves_no_trace(pool):
         fstree.remove(wd)
 
 
+@pytest.mark.slow
 def test_writes_before_a_timeout_an_output_flood_or_a_cancel_are_kept(pool, tmp_path):
     wd = tmp_path / "wd"
     wd.mkdir()
@@ -927,6 +930,7 @@ def test_deep_tree_in_a_workdir_through_the_pool(pool, tmp_path):
         fstree.remove(str(made))
 
 
+@pytest.mark.slow
 def test_deep_tree_through_the_agent_tools(pool, tmp_path):
     from rlcode.envs import tools
     from rlcode.sandbox import fstree

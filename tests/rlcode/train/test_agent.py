@@ -55,6 +55,7 @@ def full_hidden(model, ids, spans):
 
 
 @pytest.mark.parametrize("kind,mode", [("squid", "documents"), ("squid", "incremental"), ("dense", "full")])
+@pytest.mark.slow
 def test_session_prefill_equals_the_full_forward(kind, mode):
     """Turn after turn, with documents inside the new tokens and a reset (a new segment)."""
     model = init_model(tiny(kind).model, seed=1)
@@ -87,6 +88,7 @@ def test_session_prefill_equals_the_full_forward(kind, mode):
         assert stats["tokens_prefilled"] == stats["tokens_full"]
 
 
+@pytest.mark.slow
 def test_episodes_logprobs_match_the_train_forward(tmp_path):
     """Real episodes through the harness (tools, grading) with a random squid policy: behaviour
     log-probs = the training forward's on the batch, and the layout marks the read files."""
@@ -274,6 +276,7 @@ def test_agent_job_end_to_end_and_report(tmp_path):
     assert data["summary"][0]["eval_fresh/success"]["start"] == result.first_eval["eval_fresh/success"]
 
 
+@pytest.mark.slow
 def test_expert_turns_replay_encodes_each_file_once_per_batch(tmp_path):
     """turns_from_segments rebuilds the sampler's requests from finished segments; replaying two
     identical expert episodes encodes each read file once and copies it into both."""

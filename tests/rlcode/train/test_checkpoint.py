@@ -151,6 +151,7 @@ def load_train_lib(tmp_path):
     return module
 
 
+@pytest.mark.slow
 def test_resume_in_fresh_process_is_bit_identical(tmp_path):
     lib = load_train_lib(tmp_path)
     start = {"epoch": 0, "index": 0}
@@ -291,6 +292,7 @@ def test_existing_step_needs_force(tmp_path):
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_save_killed_mid_write_keeps_previous_checkpoint(tmp_path):
     d = tmp_path / "ckpt"
     # The child saves step 1, then starts a ~200 MB save of step 2 whose commit (orbax's rename
@@ -372,6 +374,7 @@ def largest_file(directory):
 
 # A failed read makes orbax abandon the reads still in flight, which Python reports as unraisable.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.slow
 def test_corrupted_missing_and_empty_raise_checkpoint_error(tmp_path):
     d = tmp_path / "ckpt"
     state = {"w": jax.random.normal(jax.random.key(1), (64, 256)), "b": jnp.arange(8),

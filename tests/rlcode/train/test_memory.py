@@ -38,6 +38,7 @@ def test_param_bytes_equal_the_built_model(tmp_path, attention, mlp, extra):
 
 
 @pytest.mark.parametrize("kind", ["dense", "squid"])
+@pytest.mark.slow
 def test_train_step_estimate_is_close_to_xla_memory_analysis(tmp_path, kind):
     cfg = tiny_job.tiny_config(tmp_path)
     cfg.model.update(d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, ffw_dim=192)

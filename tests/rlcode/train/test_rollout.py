@@ -53,6 +53,7 @@ def test_encode_tasks_layout_and_filter(tasks):
         encode_tasks(tasks, TOK, max_prompt_len=10, max_new_tokens=80)
 
 
+@pytest.mark.slow
 def test_grader_scores_reference_wrong_and_broken(pool, tasks):
     t = tasks[0]
     body = synth.completion_target(t)
@@ -64,6 +65,7 @@ def test_grader_scores_reference_wrong_and_broken(pool, tasks):
     assert counts["executions"] == 4
 
 
+@pytest.mark.slow
 def test_sandbox_worker_dying_mid_step_is_masked_and_replaced(pool, tasks):
     t = tasks[1]
     slow = "    import time\n    time.sleep(0.3)\n    return None\n"  # per test case: seconds in all
@@ -223,6 +225,7 @@ def test_prepare_masks_invalid_rows_and_matches_oracle(tmp_path, tasks):
     np.testing.assert_allclose(np.asarray(batch["behavior_logp"])[mask], -0.5)
 
 
+@pytest.mark.slow
 def test_sft_learns_and_is_cached(tmp_path, tasks):
     cfg = tiny_job.tiny_config(tmp_path)
     cfg.sft.update(steps=30, batch_size=8, lr=3e-3)

@@ -28,6 +28,7 @@ def fresh(microbatches=1, loss_overrides=None):
     return graphdef, state, train_step, loss_cfg
 
 
+@pytest.mark.slow
 def test_loss_equals_objective_from_full_logits():
     graphdef, state, train_step, loss_cfg = fresh()
     batch = {k: jnp.asarray(v) for k, v in step_check.make_batch().items()}
@@ -47,6 +48,7 @@ def test_loss_equals_objective_from_full_logits():
     assert float(metrics["grad_norm"]) > 0 and float(metrics["lr"]) > 0
 
 
+@pytest.mark.slow
 def test_microbatches_give_the_full_batch_update():
     batch = {k: jnp.asarray(v) for k, v in step_check.make_batch().items()}
     results = []
@@ -84,6 +86,7 @@ def test_lr_schedule_warmup_then_cosine():
     np.testing.assert_allclose([float(sched(s)) for s in range(20)], expected, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_weight_decay_only_on_matrices():
     graphdef, state, _, _ = fresh()
     optim = step_lib.optim_config(lr=0.0, weight_decay=0.5, warmup_steps=0)
@@ -164,6 +167,7 @@ def test_two_processes_on_localhost_equal_single_device():
         _check(r)
 
 
+@pytest.mark.slow
 def test_train_state_checkpoint_resume_is_bit_identical(tmp_path):
     """The real TrainState (NamedTuple, typed key, optax state) round-trips through Checkpointer."""
     from rlcode.train.checkpoint import Checkpointer
