@@ -64,13 +64,18 @@ class SessionSampler:
     dense model; on a squid model only ``documents`` matches the training forward. On a model
     without squid attention documents are not separable, so ``documents`` runs as
     ``incremental`` (`active_mode`, set by `start`; `mode` keeps what was asked for).
+
+    bounded: every prefill and decode call reads only the first `_span` slots of the cache (a
+    power of two >= the longest context of the call), so attention costs what the contexts hold;
+    False reads the whole ``max_context + 512`` slots (same results, for comparison).
     """
 
     def __init__(self, graphdef: Any, tokenizer: Tokenizer, *, rows: int, max_context: int, max_response: int,
-                 temperature: float = 1.0, mode: str = "documents"):
+                 temperature: float = 1.0, mode: str = "documents", bounded: bool = True):
         if mode not in PREFILL_MODES:
             raise ValueError(f"prefill mode must be one of {PREFILL_MODES}, got {mode!r}")
         self.graphdef, self.tok, self.rows, self.mode = graphdef, tokenizer, rows, mode
+        self.bounded = bounded  # read the cache slots the contexts hold (`_span`); False: every slot
         self.max_context = max_context
         self.capacity = max_context + 512  # bucketed writes run at most 511 slots past a context
         self.cfg = sampling.SamplingConfig(max_new_tokens=max_response, temperature=temperature,
@@ -103,6 +108,9 @@ class SessionSampler:
         self.stats = collections.Counter()
         self.record = [] if record else None
         self.logprobs = [[] for _ in range(self.rows)]
+
+    def _span(self, lengths: np.ndarray) -> int | None:
+        return _span(lengths.max()) if self.bounded else None
 
     # ---- prefill
     def _plan(self, row: int, ids: list[int], spans: Sequence[tuple[int, int]]) -> list[list[int]]:
@@ -141,7 +149,7 @@ class SessionSampler:
             rows[i], lengths[i], num[i] = r, self.lengths[r], len(t)
             tokens[i, : len(t)] = t
         self.cache, hidden = sampling.extend_session(self.graphdef, self.params, self.cache, rows, tokens, lengths, num,
-                                                     span=_span(lengths.max()))
+                                                     span=self._span(lengths))
         for i, (r, t) in enumerate(items):
             self.lengths[r] += len(t)
             last[r] = hidden[i]
@@ -207,7 +215,7 @@ class SessionSampler:
         key = jax.random.fold_in(self.key, self.calls)
         self.calls += 1
         out = sampling.sample_session(self.graphdef, self.params, self.cache, rows, lengths, hidden, key, cfg=self.cfg,
-                                      span=_span(lengths.max()))
+                                      span=self._span(lengths))
         tokens, n, logp = np.asarray(out.tokens), np.asarray(out.lengths), np.asarray(out.logprobs)
         self.stats["decode_s"] += time.perf_counter() - t0
         self.stats["tokens_generated"] += int(n[: len(order)].sum())
@@ -246,10 +254,11 @@ def turns_from_segments(rows: Sequence[harness.Segment]) -> list[dict[int, tuple
 
 
 def replay_prefill(graphdef: Any, params: Any, tokenizer: Tokenizer, turns: Sequence[dict], *, mode: str,
-                   max_context: int, rows: int) -> collections.Counter:
+                   max_context: int, rows: int, bounded: bool = True) -> collections.Counter:
     """Prefill the recorded turns (`SessionSampler.record`: one {row: (ids, spans)} per
     generate call) in `mode`, without decoding; returns the sampler's counters (tokens, seconds)."""
-    sampler = SessionSampler(graphdef, tokenizer, rows=rows, max_context=max_context, max_response=1, mode=mode)
+    sampler = SessionSampler(graphdef, tokenizer, rows=rows, max_context=max_context, max_response=1, mode=mode,
+                             bounded=bounded)
     sampler.start(params, jax.random.key(0))
     for requests in turns:
         sampler.prefill({int(r): (list(ids), [tuple(s) for s in spans]) for r, (ids, spans) in requests.items()})

@@ -273,6 +273,9 @@ def test_agent_job_end_to_end_and_report(tmp_path):
     assert rep["full"]["tokens"] == m["prefill/tokens_full"]
     assert rep["incremental"]["tokens"] == m["prefill/tokens_incremental"]
     assert rep["documents"]["tokens"] == m["prefill/tokens_documents"]
+    for mode in ("full", "incremental", "documents"):  # the same prefills, reading every cache slot
+        whole = rep["whole_cache"][mode]
+        assert whole["tokens"] == rep[mode]["tokens"] and whole["bounded_speedup"] > 0
     assert data["summary"][0]["eval_fresh/success"]["start"] == result.first_eval["eval_fresh/success"]
 
 
@@ -306,3 +309,39 @@ def test_expert_turns_replay_encodes_each_file_once_per_batch(tmp_path):
     assert stats["tokens_documents_encoded"] == doc_tokens
     assert stats["tokens_new_documents"] == 2 * doc_tokens
     assert stats["tokens_new"] == 2 * len(calls[-1][0][0])
+
+
+@pytest.mark.slow
+def test_agent_report_replays_the_expert_of_a_config_without_a_run(tmp_path, capsys):
+    """--config: the scripted expert's turns (1 task x 2 episodes) replayed in every mode, each
+    alternately bounded and reading the whole cache, with the same token counts."""
+    import json
+
+    from experiments import agent_report
+
+    config = tmp_path / "agent_tiny.py"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    config.write_text(
+        "import importlib.util\n"
+        f"spec = importlib.util.spec_from_file_location('agent_repo_base', {os.path.join(root, 'configs', 'agent_repo.py')!r})\n"
+        "base = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(base)\n\n\n"
+        "def get_config():\n"
+        "    cfg = base.get_config()\n"
+        "    cfg.model.update(d_model=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, ffw_dim=64)\n"
+        "    cfg.agent.update(max_context_tokens=2048, max_response_tokens=192)\n"
+        "    return cfg\n")
+    out = tmp_path / "replay.json"
+    with pytest.raises(SystemExit):
+        agent_report.main(["--config", str(config), "--out", str(out)])  # no --expert
+    assert "add --expert" in capsys.readouterr().err
+    assert agent_report.main(["--config", str(config), "--expert", "1,2", "--rounds", "1", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["runs"] == [] and data["config"]["agent"]["max_context_tokens"] == 2048
+    rep = data["replay_expert"]
+    assert rep["episodes_per_step"] == 2 and rep["turns"] >= 2
+    assert rep["documents"]["tokens"] < rep["incremental"]["tokens"] < rep["full"]["tokens"]
+    for mode in ("full", "incremental", "documents"):
+        whole = rep["whole_cache"][mode]
+        assert whole["tokens"] == rep[mode]["tokens"] and len(whole["times_s"]) == 1
+    assert "reading the whole cache" in capsys.readouterr().out
