@@ -487,6 +487,21 @@ class HFTokenizer(Tokenizer):
                 raise ValueError(f"token id {token} is outside [0, {self.vocab_size})")
         return self._tok.decode(ids, skip_special_tokens=skip_special)
 
+    def byte_lengths(self) -> list[int]:
+        """The UTF-8 bytes each id stands for on its own, 0 for special ids: exact for a
+        byte-level vocabulary (each character of such a token is one byte), else the length of
+        the id's decoded text (a token holding part of a character counts what decodes)."""
+        byte_level = json.loads(self._file_json).get("decoder", {}) or {}
+        byte_level = byte_level.get("type") == "ByteLevel"
+        out = []
+        for i in range(self.vocab_size):
+            piece = None if i in self._special_ids else self._tok.id_to_token(i)
+            if piece is None:
+                out.append(0)
+            else:
+                out.append(len(piece) if byte_level else len(self._tok.decode([i]).encode("utf-8")))
+        return out
+
     def encode_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True, *,
                     tools: Sequence[Mapping[str, Any]] | None = None,
                     **template_kwargs: Any) -> tuple[list[int], list[int]]:

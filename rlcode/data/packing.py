@@ -1,0 +1,98 @@
+"""Packing tokenized documents into fixed-length rows with document masking.
+
+A document of n tokens gives n - 1 next-token predictions: inputs ``d[:-1]``, targets ``d[1:]``.
+Documents are laid into rows of `length` one after another in order (a document that does not fit
+the rest of a row starts the next row; one longer than a row is cut into pieces of ``length + 1``
+tokens that overlap by one, each piece a segment of its own). In every row:
+
+* ``segment_ids`` [N, L]: 1, 2, ... per segment, 0 on padding;
+* ``positions`` [N, L]: 0, 1, ... restarting at each segment, so a document sees the same
+  positions packed or alone;
+* ``mask`` [N, L]: 1 on real predictions, 0 on padding;
+* ``target_bytes`` [N, L]: the UTF-8 bytes of each target token (`token_bytes`), so a loss in
+  nats converts to bits per byte: ``sum(nll * mask) / ln 2 / sum(target_bytes * mask)``.
+
+`attention_mask` turns a packed batch into the model's `AttentionMask` for dense attention
+(tokens attend only within their segment) or squid attention (each segment a document, no global
+tokens); either way nothing attends across a file boundary, so packing changes no prediction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from rlcode.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+
+
+class Packed(NamedTuple):
+    inputs: np.ndarray  # [N, L] int32
+    targets: np.ndarray  # [N, L] int32
+    segment_ids: np.ndarray  # [N, L] int32, 0 = padding
+    positions: np.ndarray  # [N, L] int32
+    mask: np.ndarray  # [N, L] float32
+    target_bytes: np.ndarray  # [N, L] int32
+
+
+def token_bytes(tokenizer: Tokenizer) -> np.ndarray:
+    """[vocab_size] the UTF-8 bytes each id stands for (0 for special and unused ids;
+    `HFTokenizer.byte_lengths`: exact for byte-level BPE)."""
+    out = np.zeros(tokenizer.vocab_size, np.int32)
+    if isinstance(tokenizer, ByteTokenizer):
+        out[:256] = 1
+        return out
+    if not isinstance(tokenizer, HFTokenizer):
+        raise TypeError(f"token_bytes needs a ByteTokenizer or an HFTokenizer, got {type(tokenizer).__name__}")
+    out[:] = tokenizer.byte_lengths()
+    return out
+
+
+def pack(documents: Sequence[Sequence[int]], length: int, token_bytes: np.ndarray, *, pad_id: int = 0) -> Packed:
+    """Pack `documents` (token id lists; each with at least 2 tokens is used, shorter ones
+    predict nothing and are skipped) into rows of `length` (module docstring)."""
+    if length < 1:
+        raise ValueError(f"length must be >= 1, got {length}")
+    pieces: list[np.ndarray] = []
+    for doc in documents:
+        d = np.asarray(doc, np.int32)
+        for start in range(0, max(len(d) - 1, 0), length):
+            pieces.append(d[start:start + length + 1])
+    rows: list[list[np.ndarray]] = []
+    used = length
+    for p in pieces:
+        if used + len(p) - 1 > length:
+            rows.append([])
+            used = 0
+        rows[-1].append(p)
+        used += len(p) - 1
+    shape = (len(rows), length)
+    out = Packed(np.full(shape, pad_id, np.int32), np.full(shape, pad_id, np.int32), np.zeros(shape, np.int32),
+                 np.zeros(shape, np.int32), np.zeros(shape, np.float32), np.zeros(shape, np.int32))
+    for r, row in enumerate(rows):
+        at = 0
+        for s, p in enumerate(row, start=1):
+            n = len(p) - 1
+            out.inputs[r, at:at + n] = p[:-1]
+            out.targets[r, at:at + n] = p[1:]
+            out.segment_ids[r, at:at + n] = s
+            out.positions[r, at:at + n] = np.arange(n)
+            out.mask[r, at:at + n] = 1.0
+            out.target_bytes[r, at:at + n] = token_bytes[p[1:]]
+            at += n
+    return out
+
+
+def attention_mask(packed: Packed, kind: str):
+    """The model's `AttentionMask` for a packed batch under attention `kind` (dense or squid)."""
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from rlcode.models.attention import AttentionMask  # noqa: PLC0415
+
+    seg = jnp.asarray(packed.segment_ids)
+    if kind == "dense":
+        return AttentionMask(segment_ids=seg)
+    if kind == "squid":  # documents 0, 1, ...; -1 padding; no global token
+        return AttentionMask(segment_ids=seg - 1, is_global=jnp.zeros(seg.shape, bool))
+    raise ValueError(f"packed sequences need attention.kind 'dense' or 'squid', got {kind!r}")
