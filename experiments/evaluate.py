@@ -278,7 +278,8 @@ def encode_prompt(task: Any, tokenizer: Any, style: str) -> list[int]:
 def sample_all(policy: Policy, prompts: list[list[int]], args: argparse.Namespace, max_new: int,
                progress) -> list[list[str]]:
     """`args.samples` decoded completions per prompt (batches of `args.batch` prompts, padded to
-    the longest prompt rounded up to 64, so few shapes compile)."""
+    the longest prompt rounded up to 64, so few shapes compile). Prompt i samples with key
+    fold_in(key(seed), i), so the completions depend on the seed, not on the batching."""
     import jax
     import jax.numpy as jnp
 
@@ -290,7 +291,7 @@ def sample_all(policy: Policy, prompts: list[list[int]], args: argparse.Namespac
     key = jax.random.key(args.seed)
     out: list[list[str]] = []
     n = args.samples
-    for b, start in enumerate(range(0, len(prompts), args.batch)):
+    for start in range(0, len(prompts), args.batch):
         chunk = prompts[start:start + args.batch]
         width = -(-max(len(p) for p in chunk) // 64) * 64
         rows = chunk + [chunk[-1]] * (args.batch - len(chunk))  # fixed batch shape; extra rows dropped
@@ -298,8 +299,10 @@ def sample_all(policy: Policy, prompts: list[list[int]], args: argparse.Namespac
         for i, p in enumerate(rows):
             arr[i, : len(p)] = p
         lengths = np.asarray([len(p) for p in rows], np.int32)
+        # One key per prompt, from its index: the samples do not depend on --batch or the mesh.
+        keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(start, start + len(rows)))
         res = jax.device_get(sample(policy.graphdef, policy.params, jnp.asarray(arr), jnp.asarray(lengths),
-                                    jax.random.fold_in(key, b), group_size=n, cfg=cfg))
+                                    keys, group_size=n, cfg=cfg))
         tokens, lens = np.asarray(res.tokens), np.asarray(res.lengths)
         for i in range(len(chunk)):
             texts = []
@@ -474,7 +477,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.batch = -(-args.batch // shards) * shards
             print(f"--batch rounded up to {args.batch}, a multiple of the mesh's data x fsdp = {shards}")
         report = (evaluate if args.tasks in COMPLETION else evaluate_agent)(args, policy, pool)
-        report["settings"].update(mesh=mesh, batch=args.batch)  # samples depend on the seed and the batch
+        report["settings"].update(mesh=mesh, batch=args.batch)
     finally:
         pool.close()
     text = markdown(report)

@@ -96,8 +96,10 @@ def sample(
     Args:
       graphdef, params: the model as split by `nnx.split(model)` (params: its state).
       prompts: [Pg, Lp] right-padded token ids; prompt_lengths: [Pg] (each >= 1).
-      key: PRNG key; row b uses fold_in(key, b) and step t fold_in(row_key, t), so a row's
-        sample does not depend on the other rows of the batch.
+      key: one PRNG key, row b using fold_in(key, b), or one key per prompt [Pg], row b using
+        fold_in(key[b // G], b % G); step t uses fold_in(row_key, t). A row's sample does not
+        depend on the other rows of the batch; with per-prompt keys it does not depend on where
+        its prompt sits in the batch either.
       group_size: G samples per prompt; B = Pg * G rows ordered group by group.
       cfg: a SamplingConfig (static).
     """
@@ -115,7 +117,12 @@ def _generate(model, prefix, prefix_lengths, last_hidden, first_position, key, G
     M = cfg.max_new_tokens
     B = Pg * G
     logits = jnp.repeat(model.logits(last_hidden), G, axis=0)  # [B, V]
-    row_keys = jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(B))
+    if key.ndim == 0:
+        row_keys = jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(B))
+    elif key.shape == (Pg,):  # one key per prompt
+        row_keys = jax.vmap(lambda b: jax.random.fold_in(key[b // G], b % G))(jnp.arange(B))
+    else:
+        raise ValueError(f"key must be one key or one per prompt [{Pg}], got shape {key.shape}")
     positions0 = jnp.repeat(first_position.astype(jnp.int32), G)
     stop_ids = jnp.asarray(cfg.stop_ids if cfg.stop_ids else (-1,), jnp.int32)
 

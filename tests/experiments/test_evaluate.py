@@ -145,7 +145,7 @@ run, out = sys.argv[1], sys.argv[2]
 reports = {}
 for mesh in ("data=1", "data=4", "data=2,tensor=2"):
     d = out + "/" + mesh.replace(",", "_").replace("=", "")
-    assert evaluate.main(["--run", run, "--tasks", "synth", "--limit", "4", "--samples", "4", "--k", "1,4",
+    assert evaluate.main(["--run", run, "--tasks", "synth", "--limit", "8", "--samples", "4", "--k", "1,4",
                           "--batch", "3", "--temperature", "1.0", "--top_p", "1.0", "--mesh", mesh, "--out", d]) == 0
     reports[mesh] = json.load(open(d + "/evaluate.json"))
 
@@ -159,8 +159,8 @@ print(json.dumps({"devices": jax.device_count(), "reports": reports, "specs": sp
 @pytest.mark.slow
 def test_sampling_on_a_mesh_of_four_devices_gives_the_single_device_samples(run_dir, tmp_path):
     """Data-parallel and tensor-parallel meshes (4 fake CPU devices): parameters sharded by their
-    logical axes, the batch rounded up to the data axis, and the same completions and counts as
-    on one device."""
+    logical axes, the batch rounded up to the data axis (so the tasks are batched differently
+    than on one device), and the same completions and counts as on one device."""
     import subprocess
     import sys
 
@@ -177,6 +177,7 @@ def test_sampling_on_a_mesh_of_four_devices_gives_the_single_device_samples(run_
     assert data["devices"] == 4 and data["shape"] == {"data": 2, "fsdp": 1, "tensor": 2, "expert": 1}
     assert any("tensor" in s for s in data["specs"])  # heads / ffw / vocab split over the tensor axis
     one, reports = data["reports"]["data=1"], data["reports"]
+    assert one["tasks"]["evaluated"] > 4  # more than one batch of 3 and of 4: the batches differ
     assert one["settings"]["mesh"] == {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}
     assert reports["data=4"]["settings"]["mesh"]["data"] == 4
     for mesh in ("data=4", "data=2,tensor=2"):

@@ -104,6 +104,25 @@ def test_prng_is_per_row_and_reproducible(model_parts):
     assert len(group0) > 1
 
 
+def test_per_prompt_keys_make_a_prompts_samples_independent_of_the_batch(model_parts):
+    """With one key per prompt, a prompt's G rows are the same wherever it sits in the batch
+    and whatever else is in it; fold_in(key[p], g) is row g of prompt p."""
+    graphdef, params = model_parts
+    prompts, lengths = prompts_and_lengths()
+    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(9), i))(jnp.arange(3))
+    cfg = sampling.SamplingConfig(max_new_tokens=6, temperature=1.5)
+    full = sampling.sample(graphdef, params, prompts, lengths, keys, group_size=2, cfg=cfg)
+    order = jnp.array([2, 0])
+    part = sampling.sample(graphdef, params, prompts[order], lengths[order], keys[order], group_size=2, cfg=cfg)
+    tokens = np.asarray(full.tokens).reshape(3, 2, -1)
+    np.testing.assert_array_equal(np.asarray(part.tokens).reshape(2, 2, -1), tokens[np.asarray(order)])
+    # A prompt alone with its key as the batch's one key: row g uses fold_in(key, g) either way.
+    alone = sampling.sample(graphdef, params, prompts[1:2], lengths[1:2], keys[1], group_size=2, cfg=cfg)
+    np.testing.assert_array_equal(np.asarray(alone.tokens).reshape(2, -1), tokens[1])
+    with pytest.raises(ValueError, match="one per prompt"):
+        sampling.sample(graphdef, params, prompts, lengths, keys[:2], group_size=2, cfg=cfg)
+
+
 @pytest.mark.slow
 def test_shared_prefix_group_equals_replicated_prompts(model_parts):
     """G rows decoded against one prefix = the prompt prefilled G times (same row keys)."""
