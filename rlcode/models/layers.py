@@ -17,9 +17,26 @@ from flax import nnx
 Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
 
 
+# How fresh parameters are drawn; part of every cache key of trained results (`rlcode.train.sft`).
+# "fan_in-2": every projection at variance 1 / fan_in (the first scheme divided by the whole size).
+INIT_SCHEME = "fan_in-2"
+
+
 def fan_in_init(fan_in_axes: tuple[int, ...]) -> Initializer:
-    """Truncated normal with variance 1 / fan_in, the fan-in being the product of `fan_in_axes`."""
-    return nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=fan_in_axes, out_axis=())
+    """Truncated normal with variance 1 / fan_in, the fan-in being the product of `fan_in_axes`
+    (the dimensions a projection contracts); every other dimension is an output dimension.
+
+    The output axes are named explicitly: variance scaling multiplies the fan-in by every
+    dimension that is neither an input nor an output axis (a convolution's receptive field), so
+    leaving them out would divide the variance by the whole size of the matrix."""
+
+    def init(key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype = jnp.float32) -> jax.Array:
+        ins = tuple(a % len(shape) for a in fan_in_axes)
+        outs = tuple(a for a in range(len(shape)) if a not in ins)
+        scaling = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=ins, out_axis=outs)
+        return scaling(key, shape, dtype)
+
+    return init
 
 
 def make_param(

@@ -30,6 +30,7 @@ from flax import nnx
 from rlcode import losses
 from rlcode.checks import apply_overrides
 from rlcode.models import hf
+from rlcode.models.layers import INIT_SCHEME
 from rlcode.models.transformer import init_model
 from rlcode.sampling import SampleOutput, to_training_batch
 from rlcode.train.checkpoint import CheckpointError, Checkpointer
@@ -106,7 +107,10 @@ def cache_key(model_cfg: Any, sft_cfg: Any, demos: Any, seed: int) -> str:
         if key.startswith("model.") and model.get(key[len("model."):]) == neutral:
             model.pop(key[len("model."):])
     h = hashlib.sha256()
-    h.update(json.dumps({"model": model, "sft": sft, "seed": seed}, sort_keys=True, default=str).encode())
+    # INIT_SCHEME names how fresh parameters are drawn: a fix to the initialisation is a new scheme,
+    # so warm starts cached under the old one are not reused.
+    h.update(json.dumps({"model": model, "sft": sft, "seed": seed, "init": INIT_SCHEME}, sort_keys=True,
+                        default=str).encode())
     for a in _demo_arrays(demos):
         h.update(np.ascontiguousarray(a).tobytes())
     return h.hexdigest()[:16]

@@ -225,3 +225,49 @@ def test_attention_config_lists_every_option_and_rejects_unknown_ones():
     # A model built from a partial section takes the remaining options' defaults.
     model = init_model(small_config(attention={"kind": "nsa", "window": 8, "impl": "xla"}))
     assert model.block_0.attn.sizes.window == 8 and model.block_0.attn.sizes.select_size == 64
+
+
+# Which dimensions each projection contracts (its fan-in), by parameter name; the expected std of
+# a fresh parameter is 1 / sqrt(product of those dimensions).
+FAN_IN = {
+    "wq": lambda s: s[0], "wk": lambda s: s[0], "wv": lambda s: s[0],  # [D, heads, H]: x @ w over D
+    "wo": lambda s: s[0] * s[1],  # [N, H, D]: over heads x head_dim
+    "w_gate": lambda s: s[-2] if len(s) == 3 and s[-1] != 3 else s[0],  # MoE [E, D, F]; dense [D, F]; NSA gate [D, N, 3]
+    "w_up": lambda s: s[-2] if len(s) == 3 else s[0],
+    "w_down": lambda s: s[-2] if len(s) == 3 else s[0],  # MoE [E, F, D]; dense [F, D]
+    "router_w": lambda s: s[0],  # [D, E]
+    "w1": lambda s: s[0] * s[2],  # NSA compression [l, K, H, F]: over the block's l x H
+    "w2": lambda s: s[1],  # [K, F, H]
+    "embed": lambda s: s[1],  # [V, D], read as a row; its std is D^-1/2 as well
+}
+
+
+@pytest.mark.parametrize("extra", [{"attention": {"kind": "dense"}}, {"attention": {"kind": "nsa"}},
+                                   {"mlp": {"kind": "moe"}}], ids=["dense", "nsa", "moe"])
+def test_every_projection_starts_with_std_one_over_sqrt_fan_in(extra):
+    model = init_model(model_config(vocab_size=2048, d_model=128, num_layers=1, num_heads=8, num_kv_heads=4,
+                                    head_dim=32, ffw_dim=512, **extra), seed=0)
+    checked = set()
+    for path, w in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(model)))[0]:
+        name = str(path[-1].key)
+        if name not in FAN_IN:
+            continue
+        want = FAN_IN[name](w.shape) ** -0.5
+        got = float(np.std(np.asarray(w, np.float64)))
+        assert abs(got / want - 1) < 0.05, (jax.tree_util.keystr(path), w.shape, got, want)
+        checked.add(name)
+    assert {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "embed"} <= checked
+
+
+def test_a_fresh_model_spreads_its_predictions():
+    """Unit-variance projections give near-uniform next-token distributions: the mean log-prob of
+    random tokens is close to -log V (a model whose projections start 16x too small mostly
+    repeats its current token instead)."""
+    V = 2048
+    model = init_model(model_config(vocab_size=V, d_model=128, num_layers=2, num_heads=8, num_kv_heads=4, head_dim=32,
+                                    ffw_dim=512), seed=0)
+    tokens = jax.random.randint(jax.random.key(1), (4, 64), 0, V)
+    logits = model.logits(forward(model, tokens, jnp.arange(64)[None].repeat(4, 0)).hidden)
+    logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), -1)
+    mean = float(jnp.take_along_axis(logp, tokens[:, 1:, None], -1).mean())
+    assert abs(mean + np.log(V)) < 1.0, mean
