@@ -190,23 +190,15 @@ def test_sampling_on_a_mesh_of_four_devices_gives_the_single_device_samples(run_
 def test_a_hugging_face_checkpoint_plays_agent_episodes_on_repository_tasks(tmp_path):
     """--hf with --tasks repo: the episodes take the agent config's settings (here a smaller
     one), the checkpoint's tokenizer, and the report counts and shows every episode."""
-    from support import hf_families
+    from support import derived_config, hf_families
 
     ckpt = tmp_path / "qwen2"
     tok = hf_families.write_tokenizer(ckpt, "qwen")
     hf_families.write_checkpoint(ckpt, "qwen2", vocab_size=tok.get_vocab_size(), seed=3)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    config = tmp_path / "agent_small.py"
-    config.write_text(
-        "import importlib.util\n"
-        f"spec = importlib.util.spec_from_file_location('agent_repo_base', {os.path.join(root, 'configs', 'agent_repo.py')!r})\n"
-        "base = importlib.util.module_from_spec(spec)\n"
-        "spec.loader.exec_module(base)\n\n\n"
-        "def get_config():\n"
-        "    cfg = base.get_config()\n"
-        "    cfg.agent.update(max_turns=2, max_response_tokens=24, max_context_tokens=1536)\n"
-        "    cfg.task.num_eval = 2\n"
-        "    return cfg\n")
+    config = derived_config(tmp_path / "agent_small.py", "agent_repo",
+                            "cfg.agent.update(max_turns=2, max_response_tokens=24, max_context_tokens=1536)",
+                            "cfg.task.num_eval = 2")
     out = tmp_path / "out"
     assert evaluate.main(["--hf", str(ckpt), "--tasks", "repo", "--agent_config", str(config), "--samples", "2",
                           "--k", "1,2", "--batch", "1", "--temperature", "1.0", "--out", str(out)]) == 0

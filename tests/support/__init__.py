@@ -11,3 +11,19 @@ def xla_flags(devices: int | None = None) -> str:
     if devices is not None:
         flags.append(f"--xla_force_host_platform_device_count={devices}")
     return " ".join(flags)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def derived_config(path, base: str, *changes: str) -> str:
+    """Write a config file at `path` whose get_config() is configs/`base`.py's with `changes`
+    (statements on ``cfg``) applied; returns its path. For scripts that take a config file."""
+    source = os.path.join(ROOT, "configs", f"{base}.py")
+    lines = ["import importlib.util", "",
+             f"spec = importlib.util.spec_from_file_location('base_{base}', {source!r})",
+             "base = importlib.util.module_from_spec(spec)", "spec.loader.exec_module(base)", "", "",
+             "def get_config():", "    cfg = base.get_config()", *(f"    {c}" for c in changes), "    return cfg", ""]
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+    return str(path)

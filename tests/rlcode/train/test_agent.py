@@ -319,18 +319,12 @@ def test_agent_report_replays_the_expert_of_a_config_without_a_run(tmp_path, cap
 
     from experiments import agent_report
 
-    config = tmp_path / "agent_tiny.py"
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    config.write_text(
-        "import importlib.util\n"
-        f"spec = importlib.util.spec_from_file_location('agent_repo_base', {os.path.join(root, 'configs', 'agent_repo.py')!r})\n"
-        "base = importlib.util.module_from_spec(spec)\n"
-        "spec.loader.exec_module(base)\n\n\n"
-        "def get_config():\n"
-        "    cfg = base.get_config()\n"
-        "    cfg.model.update(d_model=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, ffw_dim=64)\n"
-        "    cfg.agent.update(max_context_tokens=2048, max_response_tokens=192)\n"
-        "    return cfg\n")
+    from support import derived_config
+
+    config = derived_config(tmp_path / "agent_tiny.py", "agent_repo",
+                            "cfg.model.update(d_model=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, "
+                            "ffw_dim=64)",
+                            "cfg.agent.update(max_context_tokens=2048, max_response_tokens=192)")
     out = tmp_path / "replay.json"
     with pytest.raises(SystemExit):
         agent_report.main(["--config", str(config), "--out", str(out)])  # no --expert
