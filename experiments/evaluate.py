@@ -12,7 +12,8 @@ run's task levels) or ``humaneval`` (``--split``, default test); or, for an agen
 episodes by the agent job's own evaluation (pass@1 = success and pass@n; per level pass@1); a
 Hugging Face checkpoint plays them with the settings of ``--agent_config``, its own tokenizer and
 the built-in chat template. Every task gets ``--samples`` completions at ``--temperature``; each
-is graded in the sandbox through the task's trusted-verdict checks, and pass@k is the unbiased estimator (Chen et al. 2021) for each ``--k`` <= samples.
+is graded in the sandbox through the task's trusted-verdict checks, and pass@k is the unbiased
+estimator (Chen et al. 2021) for each ``--k`` <= samples.
 
 Devices: sampling runs on a mesh of the local devices (``--mesh``, default ``data=-1``: every
 device data-parallel; e.g. ``data=2,tensor=2``), the parameters placed by their logical axes
@@ -203,8 +204,8 @@ def on_mesh(policy: Policy, sizes: dict[str, int]) -> tuple[Policy, dict[str, in
     import jax
     from flax import nnx
 
-    from rlcode.models.transformer import logical_axes
-    from rlcode.sharding import DEFAULT_RULES, make_mesh, mesh_config, named_shardings, place, put
+    from rlcode.sharding import make_mesh, mesh_config
+    from rlcode.train.step import split_on_mesh
 
     devices = jax.devices()
     if -1 not in sizes.values():  # explicit sizes: the first that many devices
@@ -217,10 +218,7 @@ def on_mesh(policy: Policy, sizes: dict[str, int]) -> tuple[Policy, dict[str, in
     shape = {axis: int(n) for axis, n in mesh.shape.items()}
     if mesh.size == 1:
         return policy, shape
-    model = place(nnx.merge(policy.graphdef, policy.params), mesh, DEFAULT_RULES)
-    graphdef, state = nnx.split(model)
-    params = nnx.to_pure_dict(state)
-    params = put(params, named_shardings(logical_axes(model), params, mesh, DEFAULT_RULES))
+    graphdef, params = split_on_mesh(nnx.merge(policy.graphdef, policy.params), mesh)
     return dataclasses.replace(policy, graphdef=graphdef, params=params), shape
 
 

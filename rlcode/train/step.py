@@ -108,6 +108,19 @@ def batch_sharding(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(axes if axes else None))
 
 
+def split_on_mesh(model: nnx.Module, mesh: Mesh | None, rules: Rules = DEFAULT_RULES) -> tuple[nnx.GraphDef, Any]:
+    """The model placed on `mesh` (`rlcode.sharding.place`), split into its graphdef and its
+    pure-dict parameters, each sharded by its logical axes (mesh None: unplaced, as they are).
+
+    The graphdef carries the mesh: every function built from it (train step, log-probs, sampler)
+    pins activations and routes experts the same way."""
+    graphdef, state = nnx.split(place(model, mesh, rules))
+    params = nnx.to_pure_dict(state)
+    if mesh is not None:
+        params = put(params, named_shardings(logical_axes(model), params, mesh, rules))
+    return graphdef, params
+
+
 def init_train_state(
     model: nnx.Module,
     optimizer: optax.GradientTransformation,
@@ -115,15 +128,9 @@ def init_train_state(
     mesh: Mesh | None = None,
     rules: Rules = DEFAULT_RULES,
 ) -> tuple[nnx.GraphDef, TrainState]:
-    """Split the model and build the train state, its parameters sharded by their logical axes.
-
-    The model is placed on the mesh first (`rlcode.sharding.place`), so the graphdef carries the
-    mesh: every function built from it (train step, log-probs, sampler) pins activations and
-    routes experts the same way."""
-    graphdef, state = nnx.split(place(model, mesh, rules))
-    params = nnx.to_pure_dict(state)
-    if mesh is not None:
-        params = put(params, named_shardings(logical_axes(model), params, mesh, rules))
+    """Split the model and build the train state, its parameters sharded by their logical axes
+    on `mesh` (`split_on_mesh`)."""
+    graphdef, params = split_on_mesh(model, mesh, rules)
     # jit propagates each parameter's sharding to its optimizer moments; what depends on no
     # parameter (step counts) is replicated over the mesh.
     opt_state = jax.jit(optimizer.init)(params)
