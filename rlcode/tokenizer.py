@@ -187,6 +187,11 @@ class Tokenizer(abc.ABC):
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
         """Text of `ids`; special tokens render as their strings unless `skip_special`."""
 
+    @abc.abstractmethod
+    def byte_lengths(self) -> list[int]:
+        """[vocab_size] the UTF-8 bytes each id stands for on its own; 0 for special and unused ids
+        (converts a loss per token into bits per byte)."""
+
     def _set_special_ids(self, ids: Mapping[str, int]) -> None:
         """Set the special-id attributes from `SPECIAL_TOKENS` entry -> id (all seven)."""
         self.pad_id = ids[PAD]
@@ -282,6 +287,10 @@ class ByteTokenizer(Tokenizer):
     def encode(self, text: str) -> list[int]:
         """The UTF-8 bytes of `text`, length T = its byte count; never a special id."""
         return list(text.encode("utf-8"))
+
+    def byte_lengths(self) -> list[int]:
+        """One byte for each of the ids 0..255, none for the special and padding ids."""
+        return [1] * 256 + [0] * (self.vocab_size - 256)
 
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
         """Text of `ids`. Byte runs that are not valid UTF-8 decode with U+FFFD replacements;
@@ -491,8 +500,8 @@ class HFTokenizer(Tokenizer):
         """The UTF-8 bytes each id stands for on its own, 0 for special ids: exact for a
         byte-level vocabulary (each character of such a token is one byte), else the length of
         the id's decoded text (a token holding part of a character counts what decodes)."""
-        byte_level = json.loads(self._file_json).get("decoder", {}) or {}
-        byte_level = byte_level.get("type") == "ByteLevel"
+        decoder = json.loads(self._file_json).get("decoder") or {}
+        byte_level = decoder.get("type") == "ByteLevel"
         out = []
         for i in range(self.vocab_size):
             piece = None if i in self._special_ids else self._tok.id_to_token(i)

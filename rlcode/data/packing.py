@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from rlcode.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from rlcode.tokenizer import Tokenizer
 
 
 class Packed(NamedTuple):
@@ -37,16 +37,9 @@ class Packed(NamedTuple):
 
 
 def token_bytes(tokenizer: Tokenizer) -> np.ndarray:
-    """[vocab_size] the UTF-8 bytes each id stands for (0 for special and unused ids;
-    `HFTokenizer.byte_lengths`: exact for byte-level BPE)."""
-    out = np.zeros(tokenizer.vocab_size, np.int32)
-    if isinstance(tokenizer, ByteTokenizer):
-        out[:256] = 1
-        return out
-    if not isinstance(tokenizer, HFTokenizer):
-        raise TypeError(f"token_bytes needs a ByteTokenizer or an HFTokenizer, got {type(tokenizer).__name__}")
-    out[:] = tokenizer.byte_lengths()
-    return out
+    """[vocab_size] the UTF-8 bytes each id stands for (`Tokenizer.byte_lengths`; 0 for special
+    and unused ids, exact for byte-level BPE)."""
+    return np.asarray(tokenizer.byte_lengths(), np.int32)
 
 
 def pack(documents: Sequence[Sequence[int]], length: int, token_bytes: np.ndarray, *, pad_id: int = 0) -> Packed:
