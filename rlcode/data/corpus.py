@@ -30,7 +30,9 @@ import json
 import os
 import sys
 import sysconfig
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
+
+from rlcode.envs.tasks import mined
 
 STDLIB_LICENCE = "PSF-2.0"
 TEST_DIRS = frozenset({"test", "tests", "idle_test"})
@@ -50,12 +52,10 @@ class Document:
         return hashlib.sha256(self.text.encode("utf-8")).hexdigest()
 
 
-def is_test_path(path: str) -> bool:
-    """A file inside a test directory, or a test module or conftest by name."""
-    parts = path.split("/")
-    name = parts[-1]
-    return (any(p in TEST_DIRS for p in parts[:-1]) or name.startswith("test_") or name.endswith("_test.py")
-            or name == "conftest.py")
+def is_test_path(path: str, tests: Sequence[str] = ()) -> bool:
+    """A file inside a test directory or one of the `tests` paths, or a test module or conftest
+    by name (`rlcode.envs.tasks.mined.is_test_file`)."""
+    return any(p in TEST_DIRS for p in path.split("/")[:-1]) or mined.is_test_file(path, tests)
 
 
 def split_of(sha256: str, heldout_fraction: float) -> str:
@@ -127,9 +127,9 @@ def mined_documents(cache: str, licences: dict[str, str], *, max_bytes: int = 1 
     for folder in sorted(os.listdir(src)):
         project = folder.rsplit("-", 1)[0]
         root = os.path.join(src, folder)
+        project_tests = tests.get(folder, ())
         for rel in _python_files(root):
-            project_tests = tests.get(folder, ())
-            if is_test_path(rel) or any(rel == t or rel.startswith(t.rstrip("/") + "/") for t in project_tests):
+            if is_test_path(rel, project_tests):
                 skipped.tests += 1
                 continue
             if project in eval_projects or (folder, rel) in held:
