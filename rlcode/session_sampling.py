@@ -109,7 +109,7 @@ class SessionSampler:
         self.record = [] if record else None
         self.logprobs = [[] for _ in range(self.rows)]
 
-    def _span(self, lengths: np.ndarray) -> int | None:
+    def _read_span(self, lengths: np.ndarray) -> int | None:
         return _span(lengths.max()) if self.bounded else None
 
     # ---- prefill
@@ -149,7 +149,7 @@ class SessionSampler:
             rows[i], lengths[i], num[i] = r, self.lengths[r], len(t)
             tokens[i, : len(t)] = t
         self.cache, hidden = sampling.extend_session(self.graphdef, self.params, self.cache, rows, tokens, lengths, num,
-                                                     span=self._span(lengths))
+                                                     span=self._read_span(lengths))
         for i, (r, t) in enumerate(items):
             self.lengths[r] += len(t)
             last[r] = hidden[i]
@@ -215,7 +215,7 @@ class SessionSampler:
         key = jax.random.fold_in(self.key, self.calls)
         self.calls += 1
         out = sampling.sample_session(self.graphdef, self.params, self.cache, rows, lengths, hidden, key, cfg=self.cfg,
-                                      span=self._span(lengths))
+                                      span=self._read_span(lengths))
         tokens, n, logp = np.asarray(out.tokens), np.asarray(out.lengths), np.asarray(out.logprobs)
         self.stats["decode_s"] += time.perf_counter() - t0
         self.stats["tokens_generated"] += int(n[: len(order)].sum())
