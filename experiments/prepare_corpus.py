@@ -63,14 +63,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     tok = bpe.train(built.texts("train"), args.vocab_size)
     tokenizer = bpe.save(tok, os.path.join(args.out, "tokenizer"))
     t2 = time.perf_counter()
-    heldout = built.texts("heldout") or built.texts("train")[:50]
+    heldout = built.texts("heldout")  # compression is measured on files the tokenizer never saw
     report = {
         "command": "python -m experiments.prepare_corpus " + " ".join(argv if argv is not None else sys.argv[1:]),
         "python": manifest["python"], "splits": manifest["splits"], "sources": manifest["sources"],
         "left_out": manifest["left_out"], "mined_dir": args.mined_dir if mined_used else None,
         "tokenizer": {"vocab_size": tokenizer.vocab_size, "path": os.path.join(args.out, "tokenizer"),
-                      "heldout_bytes_per_token": round(bpe.bytes_per_token(tokenizer, heldout), 3),
-                      "heldout_bytes_per_token_byte_level": round(bpe.bytes_per_token(ByteTokenizer(), heldout), 3)},
+                      "heldout_bytes_per_token": round(bpe.bytes_per_token(tokenizer, heldout), 3) if heldout else None,
+                      "heldout_bytes_per_token_byte_level":
+                          round(bpe.bytes_per_token(ByteTokenizer(), heldout), 3) if heldout else None},
         "seconds": {"corpus": round(t1 - t0, 1), "tokenizer": round(t2 - t1, 1)},
     }
     with open(os.path.join(args.out, "report.json"), "w", encoding="utf-8") as f:
@@ -81,8 +82,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"| {name} | {t['licence']} | {t['train']['files']} | {t['train']['bytes'] / 1e6:.2f} | "
               f"{t['heldout']['files']} | {t['heldout']['bytes'] / 1e6:.2f} |")
     print(f"left out: {report['left_out']}")
-    print(f"tokenizer: {tokenizer.vocab_size} tokens, {report['tokenizer']['heldout_bytes_per_token']:.2f} bytes "
-          f"per token on the held-out split (bytes: 1.00); wrote {args.out}/ in {t2 - t0:.0f} s")
+    ratio = report["tokenizer"]["heldout_bytes_per_token"]
+    measured = f"{ratio:.2f} bytes per token on the held-out split (bytes: 1.00)" if heldout else "no held-out file"
+    print(f"tokenizer: {tokenizer.vocab_size} tokens, {measured}; wrote {args.out}/ in {t2 - t0:.0f} s")
     return 0
 
 
