@@ -80,3 +80,27 @@ def test_the_repository_cites_only_its_own_documents():
     assert {"docs/reference.md", "docs/architecture.md", "docs/threat_model.md"} <= cited
     missing = [c for c in cited if not os.path.exists(os.path.join(ROOT, c))]
     assert not missing, missing
+
+
+@pytest.mark.slow
+def test_the_development_run_keeps_each_test_functions_first_case_and_no_slow_test():
+    """Without --slow: no test marked slow, and one case per parametrized function (its first);
+    with --slow: everything; with -m: every case the expression selects."""
+    import subprocess
+    import sys
+
+    def collect(*args):
+        out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:xdist",
+                              "-o", "addopts=", *args, "tests/rlcode/test_sampling.py"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+        return [line for line in out.stdout.splitlines() if "::" in line]
+
+    everything, fast, marked = collect("--slow"), collect(), collect("-m", "not slow")
+    functions = [n.split("[")[0] for n in fast]
+    assert len(functions) == len(set(functions)) and len(fast) < len(marked) <= len(everything)
+    firsts = {}
+    for node in everything:
+        firsts.setdefault(node.split("[")[0], node)
+    assert set(fast) == {firsts[f] for f in functions} and set(fast) <= set(marked)
+    assert "tests/rlcode/test_sampling.py::test_top_k_1_is_greedy_against_full_forward" in set(everything) - set(fast)
+    assert sum("[" in n for n in marked) > sum("[" in n for n in fast)  # -m keeps every case
