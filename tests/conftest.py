@@ -92,15 +92,7 @@ def pytest_addoption(parser):
                           "parametrized test (without it: the development run, see tests/conftest.py)")
 
 
-# The directories of whole-job and script tests. Their modules run first: pytest-xdist hands out
-# whole modules (--dist loadfile) in collection order, and a long module handed out last keeps one
-# worker busy while the others have finished.
-HEAVY_FIRST = ("tests/rlcode/train/", "tests/experiments/")
-
-
 def pytest_collection_modifyitems(config, items):
-    heavy = lambda item: not item.nodeid.startswith(HEAVY_FIRST)  # noqa: E731
-    items.sort(key=heavy)  # stable: the order inside each group stays the collection order
     if config.getoption("--slow") or config.getoption("markexpr"):
         return  # the full suite, or an explicit -m expression decides
     kept, left_out, functions = [], [], set()
