@@ -1,9 +1,11 @@
 """Packing tokenized documents into fixed-length rows with document masking.
 
 A document of n tokens gives n - 1 next-token predictions: inputs ``d[:-1]``, targets ``d[1:]``.
-Documents are laid into rows of `length` one after another in order (a document that does not fit
-the rest of a row starts the next row; one longer than a row is cut into pieces of ``length + 1``
-tokens that overlap by one, each piece a segment of its own). In every row:
+A document longer than a row is cut into pieces of ``length + 1`` tokens that overlap by one, each
+piece a segment of its own. Pieces are laid into rows of `length` either one after another in
+order (``fit="greedy"``: a piece that does not fit the rest of a row starts the next row) or
+longest first, each into the fullest row it still fits (``fit="best"``, best-fit decreasing: the
+short tails of long files fill the gaps, so fewer slots are padding). In every row:
 
 * ``segment_ids`` [N, L]: 1, 2, ... per segment, 0 on padding;
 * ``positions`` [N, L]: 0, 1, ... restarting at each segment, so a document sees the same
@@ -19,6 +21,7 @@ tokens); either way nothing attends across a file boundary, so packing changes n
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -42,16 +45,8 @@ def token_bytes(tokenizer: Tokenizer) -> np.ndarray:
     return np.asarray(tokenizer.byte_lengths(), np.int32)
 
 
-def pack(documents: Sequence[Sequence[int]], length: int, token_bytes: np.ndarray, *, pad_id: int = 0) -> Packed:
-    """Pack `documents` (token id lists; each with at least 2 tokens is used, shorter ones
-    predict nothing and are skipped) into rows of `length` (module docstring)."""
-    if length < 1:
-        raise ValueError(f"length must be >= 1, got {length}")
-    pieces: list[np.ndarray] = []
-    for doc in documents:
-        d = np.asarray(doc, np.int32)
-        for start in range(0, max(len(d) - 1, 0), length):
-            pieces.append(d[start:start + length + 1])
+def _greedy(pieces: list[np.ndarray], length: int) -> list[list[np.ndarray]]:
+    """In order: a piece that does not fit the rest of the current row starts the next one."""
     rows: list[list[np.ndarray]] = []
     used = length
     for p in pieces:
@@ -60,6 +55,43 @@ def pack(documents: Sequence[Sequence[int]], length: int, token_bytes: np.ndarra
             used = 0
         rows[-1].append(p)
         used += len(p) - 1
+    return rows
+
+
+def _best_fit(pieces: list[np.ndarray], length: int) -> list[list[np.ndarray]]:
+    """Best-fit decreasing: longest piece first (ties in order), into the row with the least room
+    that still holds it, else a new row."""
+    rows: list[list[np.ndarray]] = []
+    room: list[tuple[int, int]] = []  # sorted (free slots, row) of rows with free slots
+    for i in sorted(range(len(pieces)), key=lambda i: -len(pieces[i])):
+        n = len(pieces[i]) - 1
+        at = bisect.bisect_left(room, (n, -1))
+        if at < len(room):
+            free, r = room.pop(at)
+        else:
+            free, r = length, len(rows)
+            rows.append([])
+        rows[r].append(pieces[i])
+        if free - n > 0:
+            bisect.insort(room, (free - n, r))
+    return rows
+
+
+def pack(documents: Sequence[Sequence[int]], length: int, token_bytes: np.ndarray, *, pad_id: int = 0,
+         fit: str = "greedy") -> Packed:
+    """Pack `documents` (token id lists; each with at least 2 tokens is used, shorter ones
+    predict nothing and are skipped) into rows of `length`, placing pieces by `fit` ("greedy"
+    or "best"; module docstring)."""
+    if length < 1:
+        raise ValueError(f"length must be >= 1, got {length}")
+    if fit not in ("greedy", "best"):
+        raise ValueError(f"fit must be 'greedy' or 'best', got {fit!r}")
+    pieces: list[np.ndarray] = []
+    for doc in documents:
+        d = np.asarray(doc, np.int32)
+        for start in range(0, max(len(d) - 1, 0), length):
+            pieces.append(d[start:start + length + 1])
+    rows = _best_fit(pieces, length) if fit == "best" else _greedy(pieces, length)
     shape = (len(rows), length)
     out = Packed(np.full(shape, pad_id, np.int32), np.full(shape, pad_id, np.int32), np.zeros(shape, np.int32),
                  np.zeros(shape, np.int32), np.zeros(shape, np.float32), np.zeros(shape, np.int32))

@@ -82,3 +82,22 @@ def test_target_bytes_count_the_text_exactly(tmp_path):
         assert (p.target_bytes * p.mask).sum() == len(text.encode("utf-8")) - sizes[ids[0]]
     byte_sizes = packing.token_bytes(ByteTokenizer())
     assert byte_sizes[:256].sum() == 256 and byte_sizes[256:].sum() == 0
+
+
+@pytest.mark.parametrize("length", [5, 64, 200])
+def test_best_fit_holds_the_same_pieces_in_fewer_rows(length):
+    rng = np.random.default_rng(length + 1)
+    docs = [rng.integers(3, 200, n).tolist() for n in rng.integers(0, 400, 60)] + [[7], []]
+    greedy = packing.pack(docs, length, np.ones(320, np.int32), pad_id=1)
+    best = packing.pack(docs, length, np.ones(320, np.int32), pad_id=1, fit="best")
+    assert sorted(unpack(best)) == sorted(unpack(greedy))  # the same pieces, each once
+    assert best.mask.sum() == greedy.mask.sum() and (best.segment_ids > 0).sum(1).max() <= length
+    assert best.inputs.shape[0] <= greedy.inputs.shape[0]
+    # Best fit: no piece fits the free room of a row created before the one it went into, at
+    # the time it was placed; checked at the end, where rooms are smaller still.
+    used = (best.segment_ids > 0).sum(1)
+    firsts = [int((best.segment_ids[r] == 1).sum()) for r in range(len(used))]
+    for r in range(1, len(used)):
+        assert all(used[q] + firsts[r] > length for q in range(r))
+    with pytest.raises(ValueError, match="fit must be"):
+        packing.pack(docs, length, np.ones(320, np.int32), fit="first")
