@@ -402,19 +402,23 @@ def build_config(config_path: str, arg: str | None, fields: Sequence[tuple[str, 
     return values.config
 
 
-JOB_MODULES = {"synth": "rlcode.train.loop", "agent": "rlcode.train.agent"}  # as experiments/train.py picks
+JOB_MODULES = {"synth": "rlcode.train.loop", "agent": "rlcode.train.agent",  # as experiments/train.py picks
+               "pretrain": "rlcode.train.pretrain"}
 
 
 def validate_variants(ctx: ConfigContext, variants: Sequence[Variant]) -> None:
     """Build every variant's config and run its job's own config check (`validate_config` of
-    rlcode.train.loop, or of rlcode.train.agent for ``job = "agent"``); raise AblationError
-    naming the variant on the first failure."""
+    rlcode.train.loop, or of rlcode.train.agent for ``job = "agent"``) on it as the engine
+    resolves it (a ``model.init_from`` checkpoint's architecture); raise AblationError naming the
+    variant on the first failure."""
     for v in variants:
         try:
             cfg = build_config(ctx.path, v.arg, v.fields)
             job = importlib.import_module(JOB_MODULES.get(cfg.get("job", "synth"), JOB_MODULES["synth"]))
             if hasattr(job, "validate_config"):
-                job.validate_config(cfg)
+                from rlcode.train.engine import resolve_config  # noqa: PLC0415
+
+                job.validate_config(resolve_config(cfg))
         except Exception as e:  # noqa: BLE001
             lines = [line for line in str(e).splitlines() if line.strip()]
             raise AblationError(f"variant {v.label}: {type(e).__name__}: {lines[-1] if lines else ''}") from None

@@ -115,6 +115,8 @@ class Plan:
     texts(rollout) -> {tag: text} logged every ``log.text_every`` steps.
     minibatches(batch, num, rng) -> `num` minibatches (default: `split_groups` by whole groups of
       ``rollout.group_size`` rows).
+    derived(scalars) -> more scalars computed from the step's (rollout and ``train/``) scalars,
+      logged and shown with them (e.g. a loss in bits per byte).
     """
 
     collect: Callable[[Any, int, int], Any]
@@ -124,6 +126,7 @@ class Plan:
     progress: Callable[[dict, dict | None], dict]
     texts: Callable[[Any], dict] = lambda rollout: {}
     minibatches: Callable[[dict, int, np.random.Generator], list] | None = None
+    derived: Callable[[dict], dict] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,12 +135,18 @@ class Job:
 
     validate(cfg, num_devices, budget): raise `ConfigError` naming the field for a config the
       job cannot run (called before anything is built).
-    pool_timeout(cfg) -> seconds: the wall-clock limit of one sandbox execution.
+    pool_timeout(cfg) -> seconds: the wall-clock limit of one sandbox execution; None: the job
+      executes nothing and gets no pool (``Context.pool`` is None).
     setup(ctx) -> (demonstrations, data): the job's tasks (`data`, handed to `plan`) and the
       demonstrations of the SFT warm start (the `rlcode.train.sft` demos protocol; None: no warm
       start).
     plan(ctx, data) -> `Plan`.
     label(cfg) -> the progress bar's label (default: the name).
+    objective(cfg) -> the `ObjectiveConfig` the train step optimises (default: from the ``loss``
+      section); a job whose loss is fixed (pretraining's negative log-likelihood) has no such
+      section.
+    log_entropy: the train step reports the policy's entropy (one more pass over each log-prob
+      chunk).
     """
 
     name: str
@@ -146,6 +155,8 @@ class Job:
     setup: Callable[[Context], tuple[Any, Any]]
     plan: Callable[[Context, Any], Plan]
     label: Callable[[Any], str] | None = None
+    objective: Callable[[Any], ObjectiveConfig] | None = None
+    log_entropy: bool = True
 
 
 @dataclasses.dataclass
@@ -423,6 +434,17 @@ def _warm_start(ctx: Context, demos: Any) -> tuple[Any, dict]:
     return params, info
 
 
+def resolve_config(cfg: Any) -> Any:
+    """`cfg` as the engine runs it: with ``model.init_from`` set, a copy whose model section has
+    the checkpoint's architecture (`hf.resolve_model_section`), so the job's config check and
+    memory estimate see the model that will be loaded; else `cfg` itself."""
+    if not cfg.model.get("init_from", ""):
+        return cfg
+    cfg = ml_collections.ConfigDict(cfg.to_dict())
+    cfg.model = hf.resolve_model_section(cfg.model)
+    return cfg
+
+
 def train(cfg: Any, job: Job, *, pool: Any = None, log: Callable[[str], None] | None = None,
           hooks: dict[str, Callable] | None = None) -> RunResult:
     """Run `job` with `cfg` (see the module docstring).
@@ -434,19 +456,19 @@ def train(cfg: Any, job: Job, *, pool: Any = None, log: Callable[[str], None] | 
     t_start = time.perf_counter()
     hooks = hooks or {}
     devices = jax.devices()
-    if cfg.model.get("init_from", ""):  # the checkpoint decides the architecture (hf.resolve_model_section)
-        cfg = ml_collections.ConfigDict(cfg.to_dict())
-        cfg.model = hf.resolve_model_section(cfg.model)
+    cfg = resolve_config(cfg)
     job.validate(cfg, len(devices), memory.limits(devices))
     sched = Schedule.from_config(cfg)
     # The sections the engine hands to the library, converted once into their typed configs.
-    objective, sampling = ObjectiveConfig.from_config(cfg.loss), SamplingConfig.from_config(cfg.sampling)
+    objective = job.objective(cfg) if job.objective is not None else ObjectiveConfig.from_config(cfg.loss)
+    sampling = SamplingConfig.from_config(cfg.sampling) if "sampling" in cfg else SamplingConfig()
     progress: Progress | None = None
     say = log or (lambda m: progress.write(m) if progress is not None else print(m, file=sys.stderr, flush=True))
     workdir, ckpt_dir = prepare_workdir(cfg, say)
     with contextlib.ExitStack() as resources:
-        if pool is None:
-            pool = default_pool(cfg.sandbox.workers, job.pool_timeout(cfg))
+        timeout = job.pool_timeout(cfg)
+        if pool is None and timeout is not None:
+            pool = default_pool(cfg.sandbox.workers, timeout)
             resources.callback(pool.close)
         writer = EventWriter(os.path.join(workdir, "tb"))
         resources.callback(writer.close)
@@ -466,7 +488,7 @@ def train(cfg: Any, job: Job, *, pool: Any = None, log: Callable[[str], None] | 
             nnx.replace_by_pure_dict(st, sft_lib.merge_params(nnx.to_pure_dict(st), sft_params))
             model = nnx.merge(gd, st)
         # LoRA: adapters on the (warm-started) model; only they train (and the value head, new).
-        lora = LoraConfig.from_config(cfg.lora)
+        lora = LoraConfig.from_config(cfg.lora) if "lora" in cfg else LoraConfig()
         trainable = None
         if lora.rank > 0:
             model = add_lora(model, lora, cfg.seed)
@@ -486,10 +508,10 @@ def train(cfg: Any, job: Job, *, pool: Any = None, log: Callable[[str], None] | 
         train_step = make_train_step(ctx.graphdef, objective, optimizer, microbatches=sched.microbatches,
                                      temperature=sampling.temperature, top_k=sampling.top_k or None,
                                      top_p=sampling.top_p, mesh=ctx.mesh, rules=ctx.rules,
-                                     shardings=state_shardings(state), log_entropy=True, trainable=trainable)
+                                     shardings=state_shardings(state), log_entropy=job.log_entropy,
+                                     trainable=trainable)
         plan = job.plan(ctx, data)
-        G = cfg.rollout.group_size
-        split = plan.minibatches or (lambda batch, num, rng: split_groups(batch, num, G, rng))
+        split = plan.minibatches or (lambda batch, num, rng: split_groups(batch, num, cfg.rollout.group_size, rng))
 
         def evaluate(step: int) -> dict:
             return plan.evaluate(state.params, step)
@@ -555,6 +577,8 @@ def train(cfg: Any, job: Job, *, pool: Any = None, log: Callable[[str], None] | 
                     "time/rl_minutes": rl_seconds / 60,
                     "throughput/train_tokens_per_s": tokens * sched.epochs / max(t_train, 1e-9),
                     "async/staleness": float(staleness), "async/dropped_stale": float(dropped_stale)})
+                if plan.derived is not None:
+                    scalars.update(plan.derived(scalars))
                 writer.scalars(step, scalars)
                 if sched.text_every and step % sched.text_every == 0:
                     for tag, text in plan.texts(r).items():
