@@ -151,31 +151,24 @@ class Policy:
 def load_run(path: str, step: int | None, job: str = "synth") -> Policy:
     """The policy of a run of `job` ("synth" or "agent"): its model section, tokenizer and
     checkpoint `step`."""
-    import ml_collections
     from flax import nnx
 
-    from rlcode.models.hf import initial_model, resolve_model_section
     from rlcode.tokenizer import job_tokenizer
-    from rlcode.train.checkpoint import Checkpointer
+    from rlcode.train.workdir import load_run_model
 
     config_path = os.path.join(path, "config.json")
     if not os.path.exists(config_path):
         raise SystemExit(f"--run {path}: no config.json (not a run directory)")
-    cfg = ml_collections.ConfigDict(json.load(open(config_path)))
-    if cfg.get("job", "synth") != job:
-        raise SystemExit(f"--run {path}: a {cfg.get('job', 'synth')!r} run; these tasks need a {job!r} run")
-    section = resolve_model_section(cfg.model)
-    model = initial_model(section, cfg.seed)
+    with open(config_path) as f:
+        kind = json.load(f).get("job", "synth")
+    if kind != job:
+        raise SystemExit(f"--run {path}: a {kind!r} run; these tasks need a {job!r} run")
+    try:
+        cfg, model, step = load_run_model(path, step)
+    except ValueError as e:
+        raise SystemExit(f"--run {e}") from None
     graphdef, state = nnx.split(model)
-    ckpt_dir = os.path.join(path, "checkpoints")
-    with Checkpointer(ckpt_dir, read_only=True) as ckpt:
-        step = ckpt.latest_step() if step is None else step
-        if step is None:
-            raise SystemExit(f"--run {path}: no checkpoint in {ckpt_dir}")
-        restored, _ = ckpt.restore(step)
-    saved = restored["params"] if isinstance(restored, dict) else restored[1]
-    nnx.replace_by_pure_dict(state, saved)
-    tokenizer = job_tokenizer(cfg.get("tokenizer", "byte"), section.get("init_from", ""))
+    tokenizer = job_tokenizer(cfg.get("tokenizer", "byte"), cfg.model.get("init_from", ""))
     if job == "agent":
         return Policy(graphdef, state, tokenizer, {"run": os.path.abspath(path), "step": int(step)},
                       int(cfg.agent.max_response_tokens), int(cfg.agent.max_context_tokens), tuple(cfg.task.levels),

@@ -30,9 +30,9 @@ CONFIG_ERROR_STATUS = 2
 _OVERRIDE = re.compile(r"^--?(?:no)?config\.([^=]+)")
 
 
-def _config_spec(argv: list[str]) -> str:
+def _config_spec(argv: list[str], default: str = DEFAULT_CONFIG) -> str:
     """The --config=<file>[:<arg>] of a command line (the last one wins, as in absl)."""
-    spec = DEFAULT_CONFIG
+    spec = default
     for i, arg in enumerate(argv[1:], 1):
         if arg.startswith(("--config=", "-config=")):
             spec = arg.partition("=")[2]
@@ -67,14 +67,14 @@ def _paths(cfg: Any, prefix: str = "") -> list[str]:
     return out
 
 
-def parse_config(argv: list[str], flag_values: flags.FlagValues = flags.FLAGS) -> Any:
-    """The config of a command line: ``--config=<file>[:<arg>]`` (default configs/grpo_synth.py)
+def parse_config(argv: list[str], flag_values: flags.FlagValues = flags.FLAGS, default: str = DEFAULT_CONFIG) -> Any:
+    """The config of a command line: ``--config=<file>[:<arg>]`` (default `default`)
     and ``--config.<field>=<value>`` overrides, applied by ml_collections' config_flags, which
     defines the flag on `flag_values` and parses all of `argv` there. Raises ConfigError for a
     config file whose get_config fails, an unknown field (naming the closest fields; config_flags
     would fail with a traceback while defining the flag) or a value it cannot parse."""
     argv = list(argv)
-    spec = _config_spec(argv)
+    spec = _config_spec(argv, default)
     known = _paths(_base_config(spec))
     for arg in argv[1:]:
         match = _OVERRIDE.match(arg)
@@ -97,9 +97,9 @@ def _fail(error: ConfigError) -> int:
     return CONFIG_ERROR_STATUS
 
 
-def _flags_parser(argv: list[str]) -> Any:
+def _flags_parser(argv: list[str], default: str = DEFAULT_CONFIG) -> Any:
     try:
-        return parse_config(argv)
+        return parse_config(argv, default=default)
     except ConfigError as e:
         sys.exit(_fail(e))
 
@@ -112,6 +112,10 @@ def main(config: Any) -> int:
 
     _triton.configure()  # a model with impl "triton": compiled on a CUDA GPU, interpreted elsewhere
 
+    if config.get("job", "synth") == "pretrain":  # e.g. configs/pretrain_code.py: experiments.pretrain's job
+        from experiments import pretrain  # noqa: PLC0415
+
+        return pretrain.main(config)
     job = agent if config.get("job", "synth") == "agent" else loop
     try:
         result = job.run(config)

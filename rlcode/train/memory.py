@@ -31,6 +31,8 @@ element (model.dtype), 4 for float32 scores):
   The coefficients match XLA's own memory analysis of the compiled train step on CPU to within
   about 10% (dense and squid attention, 16 and 64 rows x 272 tokens, 8 rows x 1024 tokens).
 * ``sft``: the warm start's train step (sft.batch_size / sft.microbatches rows).
+* pretraining (`estimate_pretrain`): ``state``, the train step on data.rows_per_step /
+  train.microbatches packed rows, and the held-out forward over data.eval_batch rows.
 
 Peak = state + the largest phase (sync), or state + sampler + train (async sampling runs
 while the trainer updates). The runtime's own memory, the host-side rollouts and fragmentation
@@ -225,6 +227,19 @@ def estimate_synth(cfg: Any) -> Estimate:
     shapes = {"sampler": f"{max(P * G, Ep * En)} rows x {T} tokens", "train": f"{P * G} rows x {T} tokens, "
               f"{max(train_rows, 1)} per micro-batch", "sft": f"{sft_rows} rows x {T} tokens"}
     return Estimate(parts, _peak(parts, bool(cfg.rollout.async_mode)), reduce, shapes)
+
+
+def estimate_pretrain(cfg: Any) -> Estimate:
+    """The pretraining job (`rlcode.train.pretrain`) of `cfg`: the train step on one micro-batch
+    of packed rows, or the held-out forward over ``data.eval_batch`` rows."""
+    m, T = cfg.model, int(cfg.data.seq_len)
+    rows = max(int(cfg.data.rows_per_step) // max(int(cfg.train.microbatches), 1), 1)
+    E = int(cfg.data.eval_batch)
+    parts = {"state": _state(cfg, 4), "train": train_step_bytes(m, rows, T), "eval": forward_bytes(m, E, T)}
+    reduce = {"state": MODEL_FIELDS, "train": ("reduce data.rows_per_step", "raise train.microbatches", "data.seq_len"),
+              "eval": ("reduce data.eval_batch", "data.seq_len")}
+    shapes = {"train": f"{rows} rows x {T} tokens per micro-batch", "eval": f"{E} rows x {T} tokens"}
+    return Estimate(parts, _peak(parts, False), reduce, shapes)
 
 
 def estimate_agent(cfg: Any, row_multiple: int = 8) -> Estimate:

@@ -137,3 +137,32 @@ def prepare_workdir(cfg: Any, log: Callable[[str], None] | None = None) -> tuple
     return workdir, ckpt_dir
 
 
+
+
+def load_run_model(path: str, step: int | None = None) -> tuple[Any, Any, int]:
+    """(config, model with the parameters of checkpoint `step`, step) of the run in directory
+    `path` (its config.json and checkpoints/; `step` None: the latest). ValueError naming the
+    directory when it is not a run or holds no checkpoint."""
+    import ml_collections  # noqa: PLC0415
+    from flax import nnx  # noqa: PLC0415
+
+    from rlcode.models.hf import initial_model, resolve_model_section  # noqa: PLC0415
+    from rlcode.train.checkpoint import Checkpointer  # noqa: PLC0415
+
+    config_path = os.path.join(path, "config.json")
+    if not os.path.exists(config_path):
+        raise ValueError(f"{path}: no config.json (not a run directory)")
+    with open(config_path) as f:
+        cfg = ml_collections.ConfigDict(json.load(f))
+    cfg.model = resolve_model_section(cfg.model)
+    model = initial_model(cfg.model, cfg.seed)
+    graphdef, state = nnx.split(model)
+    ckpt_dir = os.path.join(path, "checkpoints")
+    with Checkpointer(ckpt_dir, read_only=True) as ckpt:
+        step = ckpt.latest_step() if step is None else step
+        if step is None:
+            raise ValueError(f"{path}: no checkpoint in {ckpt_dir}")
+        restored, _ = ckpt.restore(step)
+    saved = restored["params"] if isinstance(restored, dict) else restored[1]
+    nnx.replace_by_pure_dict(state, saved)
+    return cfg, nnx.merge(graphdef, state), int(step)

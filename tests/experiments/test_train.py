@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from support.cli import assert_one_line_error
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -51,15 +52,6 @@ def test_async_flag_alias():
 def run_train(*flags):
     cmd = [sys.executable, "-m", "experiments.train", *flags]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-
-
-def assert_one_line_error(out, *texts):
-    assert out.returncode == 2, out.stderr[-3000:]
-    lines = [line for line in out.stderr.splitlines() if line.startswith("config error:")]
-    assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
-    for text in texts:
-        assert text in lines[0], lines[0]
-    return lines[0]
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,173 @@
+"""rlcode.train.pretrain: the data order, the held-out bits per byte against an independent float64
+computation on each file alone, and the whole job on a tiny corpus (learning, TensorBoard tags,
+resume equal to an uninterrupted run, the Hugging Face export)."""
+
+import importlib.util
+import json
+import math
+import os
+import signal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from support.tiny_corpus import texts, write_corpus
+
+from rlcode.checks import ConfigError
+from rlcode.data import bpe
+from rlcode.models import hf
+from rlcode.models.transformer import init_model
+from rlcode.tokenizer import ByteTokenizer, load_tokenizer
+from rlcode.train import pretrain
+from rlcode.train.metrics import read_jsonl, read_scalars
+from rlcode.train.step import make_logprob_fn
+from rlcode.train.workdir import load_run_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def load_config(arg=None):
+    spec = importlib.util.spec_from_file_location("pretrain_code", os.path.join(ROOT, "configs", "pretrain_code.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(arg)
+
+
+def tiny_config(tmp_path, steps=6, tokenizer="byte", **data):
+    cfg = load_config("tokenizer=byte")
+    cfg.workdir = str(tmp_path / "run")
+    cfg.tokenizer = tokenizer
+    cfg.model.update(d_model=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, ffw_dim=64)
+    cfg.data.update(corpus_dir=str(tmp_path / "corpus"), seq_len=64, rows_per_step=4, eval_batch=4, **data)
+    cfg.train.steps = steps
+    cfg.optim.update(lr=3e-3, warmup_steps=1)
+    cfg.eval.every = 3
+    cfg.checkpoint.update(every=2, keep=5)
+    return cfg
+
+
+@pytest.mark.parametrize("rows,B", [(10, 4), (7, 7), (5, 3)])
+def test_batches_cover_every_row_once_per_epoch_and_count_tokens(rows, B):
+    ids = np.concatenate([pretrain.batch_rows(c, B, rows, seed=3) for c in range(6 * rows)])
+    for e in range(6 * B):  # every epoch, across batch boundaries, is a permutation of the rows
+        assert sorted(ids[e * rows:(e + 1) * rows].tolist()) == list(range(rows))
+    assert np.array_equal(pretrain.batch_rows(5, B, rows, seed=3), ids[5 * B:6 * B])  # a resumed run's batch
+    assert not np.array_equal(pretrain.batch_rows(0, B, rows, seed=4), pretrain.batch_rows(0, B, rows, seed=3)) \
+        or rows == B
+    packed = pretrain.pack_texts(texts(rows), ByteTokenizer(), 64)
+    data = pretrain.PackedCorpus(packed.packed, rows)
+    n = data.rows
+    for count in (0, 1, 3, 2 * n + 1):
+        seen = np.concatenate([pretrain.batch_rows(c, B, n, 3) for c in range(count)]) if count else np.zeros(0, int)
+        assert pretrain.tokens_before(count, B, data, 3) == int(data.packed.mask.sum(1)[seen].sum())
+
+
+def test_heldout_bits_per_byte_equal_each_file_alone_in_float64(tmp_path):
+    tok = bpe.save(bpe.train(texts(30, seed=1), 300), str(tmp_path / "tok"))
+    docs = texts(7, seed=2) + ["x = 'caf\u00e9 \u2713'\n"]  # multi-byte characters count as their UTF-8 bytes
+    data = pretrain.pack_texts(docs, tok, 48)
+    assert data.rows >= 3 and (data.packed.segment_ids.max(1) >= 2).any()
+    model_cfg = tiny_config(tmp_path).model
+    model_cfg.vocab_size = 300
+    model = init_model(model_cfg, seed=1)
+    graphdef, state = nnx.split(model)
+    got = pretrain.heldout_loss(make_logprob_fn(graphdef), nnx.to_pure_dict(state), data, batch=2)
+    # Oracle: each file alone (BOS, the text, EOS), logits in float64 from the model's hidden states,
+    # cut into pieces of 48 predictions as the packing does.
+    nll, tokens, n_bytes = 0.0, 0, 0
+    w, layout = model.unembedding()
+    w = np.asarray(w, np.float64) if layout == "dv" else np.asarray(w, np.float64).T  # [D, V]
+    for text in docs:
+        ids = [tok.bos_id] + tok.encode(text) + [tok.eos_id]
+        for start in range(0, len(ids) - 1, 48):
+            piece = ids[start:start + 49]
+            h = model(jnp.asarray(piece[:-1])[None], jnp.arange(len(piece) - 1)[None]).hidden[0]
+            logits = np.asarray(h, np.float64) @ w
+            lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+            nll += float(np.sum(lse - logits[np.arange(len(piece) - 1), piece[1:]]))
+            tokens += len(piece) - 1
+        n_bytes += len(text.encode("utf-8"))
+    assert got["tokens"] == tokens and got["bytes"] == n_bytes  # every byte of every file is a target
+    assert abs(got["nll"] - nll / tokens) < 1e-4 * got["nll"]
+    assert abs(got["bpb"] - nll / math.log(2) / n_bytes) < 1e-4 * got["bpb"]
+
+
+def test_config_errors_name_the_field(tmp_path):
+    write_corpus(tmp_path / "corpus")
+    cfg = tiny_config(tmp_path)
+    pretrain.validate_config(cfg, 1)
+    for field, value, text in [("data.rows_per_step", 3, "not divisible by train.microbatches=2"),
+                               ("model.value_head", True, "value head"),
+                               ("model.vocab_size", 100, "tokenizer's 320")]:
+        bad = tiny_config(tmp_path)
+        bad.train.microbatches = 2 if field == "data.rows_per_step" else 1
+        node, _, name = field.rpartition(".")
+        bad[node][name] = value
+        with pytest.raises(ConfigError, match=text):
+            pretrain.validate_config(bad, 1)
+    bad = tiny_config(tmp_path)
+    bad.data.seqlen = 8
+    with pytest.raises(ConfigError, match="seqlen.*seq_len"):
+        pretrain.validate_config(bad, 1)
+    with pytest.raises(ConfigError, match="data.eval_batch = 4 rows is not divisible .* 8 devices"):
+        bad = tiny_config(tmp_path)
+        bad.data.rows_per_step = 8
+        pretrain.validate_config(bad, 8)
+
+
+def test_job_learns_logs_resumes_exactly_and_exports(tmp_path):
+    built = write_corpus(tmp_path / "corpus")
+    tok_dir = str(tmp_path / "corpus" / "tokenizer")
+    bpe.save(bpe.train(built.texts("train"), 320), tok_dir)
+    # An uninterrupted run of 6 steps.
+    full = tiny_config(tmp_path, tokenizer=tok_dir)
+    full.workdir = str(tmp_path / "full")
+    result = pretrain.run(full, log=lambda m: None)
+    assert result.completed and result.steps_done == 6
+    scalars = read_scalars(tmp_path / "full" / "tb")
+    for tag in ("train/bpb", "heldout/bpb", "heldout/nll", "data/epoch", "data/tokens",
+                "throughput/train_tokens_per_s"):
+        assert tag in scalars, tag
+    assert [s for s, _ in scalars["heldout/bpb"]] == [0, 3, 6]
+    heldout = [v for _, v in scalars["heldout/bpb"]]
+    assert heldout[-1] < heldout[0] - 0.3  # it learns: these files are very regular
+    # train/bpb is the step's NLL over its targets' bytes.
+    per_token = [v for _, v in scalars["data/bytes_per_token"]]
+    nll = [v for _, v in scalars["train/policy_loss"]]
+    np.testing.assert_allclose([v for _, v in scalars["train/bpb"]],
+                               np.array(nll) / math.log(2) / np.array(per_token), rtol=1e-6)
+
+    # The same run stopped by a signal after step 3, then resumed: identical parameters.
+    part = tiny_config(tmp_path, tokenizer=tok_dir)
+
+    def stop_at_step_3(step, batch):
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return batch
+
+    first = pretrain.run(part, log=lambda m: None, hooks={"batch": stop_at_step_3})
+    assert first.interrupted and first.steps_done == 3
+    part.resume = True
+    second = pretrain.run(part, log=lambda m: None)
+    assert second.completed and second.steps_done == 6
+    _, a, _ = load_run_model(str(tmp_path / "full"))
+    _, b, _ = load_run_model(str(tmp_path / "run"))
+    for x, y in zip(jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b))):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    records = [r for r in read_jsonl(tmp_path / "run" / "tb") if "train/loss" in r]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+
+    # The export: a Hugging Face checkpoint equal to the last checkpoint, with the run's tokenizer.
+    base = tmp_path / "full" / pretrain.BASE_DIR
+    loaded = hf.load_checkpoint(str(base), dtype="float32")
+    for x, y in zip(jax.tree.leaves(nnx.state(loaded, nnx.Param)), jax.tree.leaves(nnx.state(a, nnx.Param))):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    tok = load_tokenizer(str(base))
+    assert tok.encode("def f(x):\n    return x\n") == load_tokenizer(tok_dir).encode("def f(x):\n    return x\n")
+    report = json.load(open(base / pretrain.REPORT))
+    assert report["step"] == 6 and report["heldout_step"] == 6 and report["heldout"]["bpb"] == pytest.approx(heldout[-1])
+    assert report["tokens"] == pytest.approx(scalars["data/tokens"][-1][1]) and report["tokens"] > 0
+    assert report["parameters"] == sum(np.size(x) for x in jax.tree.leaves(nnx.state(a, nnx.Param)))
+    assert report["corpus"]["splits"]["train"]["files"] == len(built.splits["train"])
