@@ -1,0 +1,63 @@
+"""experiments/pretrain_budgets.py: the budgets' bases (a fresh export, a pretraining run, the
+committed base reused only for the config and steps it was trained with), the RL runs from each,
+and the JSON and figure."""
+
+import json
+import os
+
+import pytest
+from support.tiny_corpus import write_corpus
+
+from experiments import pretrain_budgets
+from rlcode.train import pretrain
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+PRETRAIN = ["data.seq_len=64", "data.rows_per_step=4", "data.eval_batch=4", "model.d_model=32", "model.num_layers=1",
+            "model.num_heads=2", "model.num_kv_heads=1", "model.head_dim=16", "model.ffw_dim=64",
+            "optim.warmup_steps=1"]
+SYNTH = ["task.levels=(1,)", "task.num_train=24", "task.num_eval=4", "task.num_fresh=4", "task.max_prompt_len=160",
+         "sampling.max_new_tokens=48", "rollout.prompts_per_step=2", "rollout.group_size=4", "sft.steps=2",
+         "sft.batch_size=4", "train.steps=1", "eval.every=0", "eval.num_samples=4", "eval.ks=(1,4)",
+         "eval.prompts_per_batch=4"]
+
+
+@pytest.mark.slow
+def test_budgets_pretrain_measure_and_run_rl_from_each(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)  # the script's config paths are relative to the repository
+    write_corpus(tmp_path / "corpus")
+    out = tmp_path / "out"
+    argv = ["--budgets=0,2", "--seeds=1", f"--out={out}", "--pretrain_config=configs/pretrain_code.py:tokenizer=byte",
+            f"--committed={tmp_path / 'none'}", f"--pretrain_set=data.corpus_dir={tmp_path / 'corpus'}",
+            *[f"--pretrain_set={s}" for s in PRETRAIN], f"--set=sft.cache_dir={tmp_path / 'sft'}",
+            *[f"--set={s}" for s in SYNTH]]
+    assert pretrain_budgets.main(argv) == 0
+    data = json.load(open(out / "pretrain_budgets.json"))
+    assert [b["steps"] for b in data["budgets"]] == [0, 2]
+    fresh, trained = data["budgets"]
+    assert json.load(open(os.path.join(fresh["base"], pretrain.REPORT)))["step"] == 0
+    assert json.load(open(os.path.join(trained["base"], pretrain.REPORT)))["step"] == 2
+    # Measured here, the same way: the pretraining run's own last held-out evaluation agrees.
+    run_eval = json.load(open(os.path.join(trained["base"], pretrain.REPORT)))["heldout"]["bpb"]
+    assert trained["heldout_bpb"] == pytest.approx(run_eval, rel=1e-5) and trained["heldout_bpb"] < fresh["heldout_bpb"]
+    for b in data["budgets"]:
+        (run,) = b["runs"]
+        assert run["completed"] and 0 <= run["final"]["eval/pass@1"] <= 1
+        assert set(run["start"]) == {"eval/pass@1", "eval/best_of_4", "eval_fresh/pass@1", "eval_fresh/best_of_4"}
+        assert json.load(open(os.path.join(run["workdir"], "config.json")))["model"]["init_from"] == b["base"]
+    assert (out / "pretrain_budgets.png").stat().st_size > 0
+    # Run again: nothing is trained again (the runs are complete), the same table comes out.
+    assert pretrain_budgets.main(argv) == 0
+    assert json.load(open(out / "pretrain_budgets.json"))["budgets"][1]["heldout_bpb"] == trained["heldout_bpb"]
+
+
+def test_the_committed_base_is_reused_only_for_its_own_config_and_steps(tmp_path):
+    cfg = pretrain_budgets.pretrain_config("configs/pretrain_code.py", ["data.seq_len=512"])
+    report = {"step": 1200, "config": dict(cfg.to_dict(), workdir="/elsewhere", resume=True)}
+    report["config"]["train"] = dict(report["config"]["train"], steps=1200, max_minutes=60.0)
+    assert pretrain_budgets._same_run(report, cfg, 1200)
+    assert not pretrain_budgets._same_run(report, cfg, 300)
+    other = pretrain_budgets.pretrain_config("configs/pretrain_code.py", ["data.seq_len=1024"])
+    assert not pretrain_budgets._same_run(report, other, 1200)
+    other = pretrain_budgets.pretrain_config("configs/pretrain_code.py", ["data.seq_len=512", "optim.lr=0.01"])
+    assert not pretrain_budgets._same_run(report, other, 1200)
