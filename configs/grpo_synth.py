@@ -97,7 +97,8 @@ def get_config(arg=None):
          "max_prompt_len": 192, "seed": 0})
     cfg.sampling = ml_collections.ConfigDict({"max_new_tokens": 80, "temperature": 1.0, "top_k": 0, "top_p": 1.0})
     if base != "bytes":
-        cfg.task.max_prompt_len, cfg.sampling.max_new_tokens = BPE_LENGTHS["max_prompt_len"], BPE_LENGTHS["max_new_tokens"]
+        cfg.task.max_prompt_len = BPE_LENGTHS["max_prompt_len"]
+        cfg.sampling.max_new_tokens = BPE_LENGTHS["max_new_tokens"]
     if choices["source"] not in COMPLETION_SOURCES:
         raise ValueError(f"config argument source={choices['source']!r}: expected one of {COMPLETION_SOURCES}")
     if choices["source"] == "humaneval":

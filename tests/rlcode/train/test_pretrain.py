@@ -167,7 +167,8 @@ def test_job_learns_logs_resumes_exactly_and_exports(tmp_path):
     tok = load_tokenizer(str(base))
     assert tok.encode("def f(x):\n    return x\n") == load_tokenizer(tok_dir).encode("def f(x):\n    return x\n")
     report = json.load(open(base / pretrain.REPORT))
-    assert report["step"] == 6 and report["heldout_step"] == 6 and report["heldout"]["bpb"] == pytest.approx(heldout[-1])
+    assert report["step"] == 6 and report["heldout_step"] == 6
+    assert report["heldout"]["bpb"] == pytest.approx(heldout[-1])
     assert report["tokens"] == pytest.approx(scalars["data/tokens"][-1][1]) and report["tokens"] > 0
     assert report["parameters"] == sum(np.size(x) for x in jax.tree.leaves(nnx.state(a, nnx.Param)))
     assert report["corpus"]["splits"]["train"]["files"] == len(built.splits["train"])
