@@ -80,6 +80,11 @@ MOE_PRECISION = ("python -m experiments.moe_precision",
                  "python -m experiments.moe_precision --seed=2 --workdir=runs/moe_precision_seed2 "
                  "--out=results/moe_precision_seed2.json")
 TRAIN_AGENT = "python -m experiments.train --config=configs/agent_repo.py --config.workdir=runs/agent_repo/seed0"
+PRETRAIN = ("python -m experiments.prepare_corpus && "
+            "python -m experiments.pretrain --config=configs/pretrain_code.py --publish")
+PLOT_PRETRAIN = _plot_training_command(
+    ["runs/pretrain_code"], "train/bpb:20,heldout/bpb,throughput/train_tokens_per_s:20",
+    "docs/figures/pretrain_code.png", "Pretraining the code base (3.1M parameters, 8,192-token BPE)", PRETRAIN)
 
 # The command that writes each data file (the skip message's "produce it with").
 PRODUCERS = {
@@ -95,6 +100,7 @@ PRODUCERS = {
     "results/bench_moe.json": "python -m experiments.bench_moe",
     "results/bench_sandbox.json": "python -m experiments.bench_sandbox",
     "results/hack_suite.json": "python -m experiments.hack_suite",
+    "docs/figures/pretrain_code.json": PLOT_PRETRAIN,
     "results/agent_repo.json": f"{TRAIN_AGENT}, then summarise the run into it "
                                "(schema: experiments.figures.draw_agent_repo)",
 }
@@ -498,6 +504,13 @@ FIGURES: dict[str, FigureSpec] = {f.name: f for f in (
         "--config.loss.kl_coef=0.2 --config.task.num_fresh=64 before these became the defaults.",
         (TRAIN_SYNC, SUMMARIZE_SYNC, PLOT_SYNC), extra=("results/grpo_synth.json",),
         notes=_grpo_notes("results/grpo_synth.json")),
+    FigureSpec(
+        "pretrain_code", ("docs/figures/pretrain_code.json",),
+        lambda d, out: plot_training.draw_series(d["docs/figures/pretrain_code.json"], out),
+        "Pretraining the committed code base (checkpoints/code_base), one run (seed 0): the training loss in bits "
+        "per byte of its targets (trailing mean of 20 steps), the held-out files' bits per byte at every evaluation, "
+        "and training tokens per second on 2 CPU cores (trailing mean of 20 steps).",
+        (PRETRAIN, PLOT_PRETRAIN)),
     FigureSpec(
         "grpo_synth_async", ("docs/figures/grpo_synth_async.json",),
         lambda d, out: plot_training.draw_series(d["docs/figures/grpo_synth_async.json"], out),
