@@ -172,3 +172,26 @@ def test_job_learns_logs_resumes_exactly_and_exports(tmp_path):
     assert report["tokens"] == pytest.approx(scalars["data/tokens"][-1][1]) and report["tokens"] > 0
     assert report["parameters"] == sum(np.size(x) for x in jax.tree.leaves(nnx.state(a, nnx.Param)))
     assert report["corpus"]["splits"]["train"]["files"] == len(built.splits["train"])
+
+
+def test_the_committed_base_loads_with_its_tokenizer_and_report():
+    base = os.path.join(ROOT, "checkpoints", "code_base")
+    model = hf.load_checkpoint(base, dtype="float32")
+    tok = load_tokenizer(base)
+    report = json.load(open(os.path.join(base, pretrain.REPORT)))
+    assert report["step"] == report["steps"] and report["heldout_step"] == report["step"]
+    assert report["parameters"] == sum(np.size(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert model.cfg.vocab_size == tok.vocab_size and report["config"]["model"]["vocab_size"] == tok.vocab_size
+    text = "def add(a, b):\n    return a + b\n"
+    assert tok.decode(tok.encode(text)) == text and len(tok.encode(text)) < len(text) / 2
+    # It knows some Python: the body of this function is far likelier than under a fresh model.
+    ids = [tok.bos_id] + tok.encode(text) + [tok.eos_id]
+    fresh = init_model(hf.resolve_model_section(dict(load_config().model.to_dict(), init_from=base)), seed=0)
+    nll = {}
+    for name, m in (("base", model), ("fresh", fresh)):
+        graphdef, state = nnx.split(m)
+        batch = {"inputs": jnp.asarray([ids[:-1]]), "targets": jnp.asarray([ids[1:]]),
+                 "positions": jnp.arange(len(ids) - 1)[None], "kv_lengths": jnp.asarray([len(ids) - 1])}
+        logp, _ = make_logprob_fn(graphdef)(nnx.to_pure_dict(state), batch)
+        nll[name] = -float(jnp.mean(logp))
+    assert nll["base"] < nll["fresh"] - 3.0, nll
