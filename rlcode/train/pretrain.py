@@ -36,6 +36,7 @@ this is the code's bits per byte, a measure that does not depend on the tokenize
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -106,7 +107,8 @@ def validate_config(cfg: Any, num_devices: int | None = None,
 
 @dataclasses.dataclass(frozen=True)
 class PackedCorpus:
-    """A split packed into rows (`packing.Packed`) and the targets' bytes per row."""
+    """A split packed into rows (`packing.Packed`), with its target tokens and bytes per row
+    (computed once: the job reads them every step)."""
 
     packed: packing.Packed
     documents: int
@@ -115,11 +117,11 @@ class PackedCorpus:
     def rows(self) -> int:
         return int(self.packed.inputs.shape[0])
 
-    @property
+    @functools.cached_property
     def row_tokens(self) -> np.ndarray:
         return self.packed.mask.sum(axis=1).astype(np.int64)
 
-    @property
+    @functools.cached_property
     def row_bytes(self) -> np.ndarray:
         return (self.packed.target_bytes * self.packed.mask).sum(axis=1).astype(np.int64)
 
