@@ -38,6 +38,7 @@ generation has stopped.
 from __future__ import annotations
 
 import abc
+import hashlib
 import json
 import math
 import os
@@ -191,6 +192,16 @@ class Tokenizer(abc.ABC):
     def byte_lengths(self) -> list[int]:
         """[vocab_size] the UTF-8 bytes each id stands for on its own; 0 for special and unused ids
         (converts a loss per token into bits per byte)."""
+
+    def fingerprint(self) -> str:
+        """A short identity of the mapping between text and ids: the kind, the special tokens and
+        the text of every id. Two tokenizers with the same fingerprint give every text the same
+        ids, so anything cached as token ids (e.g. demonstrations) keys on it."""
+        h = hashlib.sha256(json.dumps([type(self).__name__, self.vocab_size, sorted(self.special_tokens.items())])
+                           .encode())
+        for i in range(self.vocab_size):
+            h.update(self.decode([i]).encode("utf-8", "surrogatepass") + b"\0")
+        return h.hexdigest()[:16]
 
     def _set_special_ids(self, ids: Mapping[str, int]) -> None:
         """Set the special-id attributes from `SPECIAL_TOKENS` entry -> id (all seven)."""

@@ -85,12 +85,14 @@ class Demonstrations:
 def expert_demonstrations(tasks: Sequence[repo_tasks.RepoTask], pool: Any, tokenizer: Tokenizer, cfg: Any,
                           log: Callable[[str], None] = print) -> Demonstrations:
     """Play the scripted expert on `tasks` (concurrently, in the sandbox) and keep the episodes
-    that fit the context and pass their held-out tests; cached under sft.cache_dir by content."""
+    that fit the context and pass their held-out tests; cached under sft.cache_dir by content
+    (the tasks, the episode settings and the tokenizer's fingerprint)."""
     kwargs = episode_kwargs(cfg)
     documents = cfg.model.attention.kind == "squid"
     h = hashlib.sha256(json.dumps({"tasks": [t.task_id for t in tasks], "style": cfg.agent.expert_style,
                                    "kwargs": {k: v for k, v in kwargs.items() if k != "registry"},
-                                   "tools": sorted(kwargs["registry"]), "documents": documents},
+                                   "tools": sorted(kwargs["registry"]), "documents": documents,
+                                   "tokenizer": tokenizer.fingerprint()},
                                   sort_keys=True, default=str).encode()).hexdigest()[:16]
     path = os.path.join(cfg.sft.cache_dir, f"agent_demos_{h}.npz")
     if os.path.exists(path):

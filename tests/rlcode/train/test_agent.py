@@ -8,6 +8,7 @@ its segment layout."""
 import json
 import math
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -339,3 +340,29 @@ def test_agent_report_replays_the_expert_of_a_config_without_a_run(tmp_path, cap
         whole = rep["whole_cache"][mode]
         assert whole["tokens"] == rep[mode]["tokens"] and len(whole["times_s"]) == 1
     assert "reading the whole cache" in capsys.readouterr().out
+
+
+def test_expert_demonstrations_are_cached_per_tokenizer(tmp_path):
+    """The same tasks rendered with another tokenizer are other token ids: a demonstration cache
+    written with bytes is never read back as BPE ids (nor the reverse)."""
+    from rlcode.tokenizer import load_tokenizer
+
+    cfg = tiny("squid")
+    cfg.task.num_train = 2
+    cfg.sft.cache_dir = str(tmp_path / "cache")
+    cfg.agent.max_response_tokens = 192
+    tasks = agent.build_tasks(cfg)["train"]
+    base = os.path.join(os.path.dirname(__file__), "..", "..", "..", "checkpoints", "code_base")
+    byte, bpe = ByteTokenizer(), load_tokenizer(base)
+    assert byte.fingerprint() != bpe.fingerprint() == load_tokenizer(base).fingerprint()
+    texts = {}
+    for tok in (byte, bpe):
+        demos = demonstrations.expert_demonstrations(tasks, LocalExecutor(), tok, cfg, log=lambda m: None)
+        again = demonstrations.expert_demonstrations(tasks, LocalExecutor(), tok, cfg, log=lambda m: None)
+        a = demos.arrays_
+        np.testing.assert_array_equal(a["inputs"], again.arrays_["inputs"])  # read back from its own cache
+        texts[tok.fingerprint()] = [tok.decode(row[:n]) for row, n in zip(a["inputs"], a["kv_lengths"])]
+    assert len(os.listdir(cfg.sft.cache_dir)) == 2
+    first, second = texts.values()
+    untimed = lambda ts: [re.sub(r" in [0-9.]+s\b", " in Ts", t) for t in ts]  # noqa: E731 (pytest's durations)
+    assert untimed(first) == untimed(second)  # the same episodes, each in its own tokenizer's ids
