@@ -12,6 +12,18 @@ bounds the time spent in RL steps (evaluations excluded). The argument after ':'
                   encoded once and reused across the G episodes of a group and across turns.
   loss=<recipe>   one of rlcode.recipes.RECIPES except ppo (default grpo).
   levels=1 | 12 | 123   task difficulties (default 1).
+  base=<model>    what SFT starts from: bytes (default: a fresh 0.8M-parameter byte-level policy),
+                  code (checkpoints/code_base: the 3.1M-parameter base pretrained on Python by
+                  configs/pretrain_code.py, with its 8,192-token BPE) or a Hugging Face checkpoint
+                  directory of that kind. With a BPE base the budgets are in its tokens, sized
+                  on the scripted expert: a whole expert episode is at most 780 / 916 / 1,150
+                  tokens at levels 1 / 2 / 3 (2,065 / 2,707 / 3,448 bytes; 24 train tasks per
+                  level), one expert turn at most 74 / 88 / 178 tokens. The harness keeps room
+                  for a response and a summary after every turn, so the context is 1,280 tokens
+                  (1,792 with level 3): every expert episode of 48 train tasks per level then
+                  fits one context (at 1,024 tokens 37 of 48 did at level 1). A response is 96
+                  tokens (192 with level 3); the length penalty's midpoint is 224 generated
+                  tokens (the expert generates 0.44 times as many BPE tokens as bytes).
 
 Any field can then be overridden: `--config.rollout.group_size=4`, `--config.train.max_minutes=60`,
 `--config.seed=1 --config.workdir=runs/agent_repo/seed1`, `--config.resume=True`.
@@ -35,14 +47,18 @@ from rlcode.train.sft import sft_config
 from rlcode.train.step import optim_config
 
 ARGS = ("attention=squid", "attention=dense") + tuple(f"loss={n}" for n in RECIPES if n != "ppo") + (
-    "levels=1", "levels=12", "levels=123")
+    "levels=1", "levels=12", "levels=123", "base=code", "base=code,levels=123")
+
+# The pretrained base and the agent's budgets in its tokens (the docstring says how they were sized).
+CODE_BASE = "checkpoints/code_base"
+BPE_BUDGETS = {"max_context_tokens": (1280, 1792), "max_response_tokens": (96, 192), "length_midpoint": 224.0}
 
 AGENT_SHAPE = dict(vocab_size=320, d_model=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32,
                    ffw_dim=384)
 
 
 def get_config(arg=None):
-    choices = parse_config_arg(arg, {"attention": "squid", "loss": "grpo", "levels": "1"})
+    choices = parse_config_arg(arg, {"attention": "squid", "loss": "grpo", "levels": "1", "base": "bytes"})
     if choices["attention"] not in ("squid", "dense"):
         raise ValueError(f"attention={choices['attention']!r}: expected squid or dense")
     if choices["loss"] not in RECIPES or choices["loss"] == "ppo":
@@ -57,6 +73,10 @@ def get_config(arg=None):
     cfg.tokenizer = "byte"  # or a tokenizer.json / checkpoint directory, or "init_from" (model.init_from's files)
     cfg.resume_override = False  # resume with a changed config (see the docstring)
     cfg.model = model_config(**AGENT_SHAPE, attention=attention_config(choices["attention"]))
+    base = choices["base"]
+    if base != "bytes":
+        cfg.model.init_from = CODE_BASE if base == "code" else base
+        cfg.tokenizer = "init_from"
     cfg.mesh = mesh_config()
 
     # num_train tasks are RL prompts; the first num_demos of them are also SFT demonstrations.
@@ -78,6 +98,12 @@ def get_config(arg=None):
     # Success = every held-out test passes; small penalties per turn and per malformed call.
     cfg.reward = reward_config(test_reward="all_pass", turn_weight=0.02, malformed_weight=0.1,
                                length_midpoint=512.0)
+
+    if base != "bytes":
+        long = 3 in cfg.task.levels
+        cfg.agent.max_context_tokens = BPE_BUDGETS["max_context_tokens"][long]
+        cfg.agent.max_response_tokens = BPE_BUDGETS["max_response_tokens"][long]
+        cfg.reward.length_midpoint = BPE_BUDGETS["length_midpoint"]
 
     objective = recipe(choices["loss"], max_new_tokens=cfg.agent.max_turns * cfg.agent.max_response_tokens)
     cfg.objective = objective.name

@@ -366,3 +366,27 @@ def test_expert_demonstrations_are_cached_per_tokenizer(tmp_path):
     first, second = texts.values()
     untimed = lambda ts: [re.sub(r" in [0-9.]+s\b", " in Ts", t) for t in ts]  # noqa: E731 (pytest's durations)
     assert untimed(first) == untimed(second)  # the same episodes, each in its own tokenizer's ids
+
+
+@pytest.mark.parametrize("levels", ["1", "12", "123"])
+def test_the_bpe_budgets_hold_the_scripted_expert(levels):
+    """configs/agent_repo.py:base=code sizes its context, response and length budgets in the base's
+    tokens: every expert episode of a few train tasks per level fits the context in one segment,
+    passes its held-out tests, and no expert turn is cut at max_response_tokens."""
+    from rlcode.tokenizer import load_tokenizer
+    from rlcode.train.episodes import episode_kwargs, grade_episode
+
+    cfg = get_config(f"base=code,levels={levels}")
+    tok = load_tokenizer(os.path.join(os.path.dirname(__file__), "..", "..", "..", cfg.model.init_from))
+    kwargs, pool = episode_kwargs(cfg), LocalExecutor()
+    for task in [repo_tasks.generate_task(i, difficulty=int(levels[-1]), split="train") for i in range(6)]:
+        turns = repo_tasks.expert_turns(task, cfg.agent.expert_style)
+        traj = harness.run_episode(task, harness.ScriptedPolicy(tok, turns), pool, tok,
+                                   **dict(kwargs, max_turns=len(turns)))
+        assert traj.end_reason == "submitted" and len(traj.segments) == 1, task.task_id
+        seg = traj.segments[0]
+        assert len(seg.ids) <= cfg.agent.max_context_tokens
+        mask = np.asarray(seg.policy_mask, int)
+        edges = np.diff(np.concatenate([[0], mask, [0]]))
+        assert (np.flatnonzero(edges == -1) - np.flatnonzero(edges == 1)).max() < cfg.agent.max_response_tokens
+        assert grade_episode(task, traj, pool, cfg).success, task.task_id
