@@ -52,7 +52,7 @@ def main(config: Any) -> int:
     try:
         result = pretrain.run(config)
     except ConfigError as e:
-        return train_cli._fail(e)
+        return train_cli.config_failure(e)
     except KeyboardInterrupt:
         print(f"aborted; checkpoints saved so far are in {config.workdir}/checkpoints "
               "(continue with --config.resume=True)", file=sys.stderr)
@@ -74,4 +74,4 @@ def main(config: Any) -> int:
 
 if __name__ == "__main__":
     sys.argv[:] = translate_aliases(sys.argv)
-    app.run(main, flags_parser=lambda argv: train_cli._flags_parser(argv, DEFAULT_CONFIG))
+    app.run(main, flags_parser=lambda argv: train_cli.flags_parser(argv, DEFAULT_CONFIG))

@@ -98,6 +98,15 @@ def _same_run(report: dict, cfg: Any, steps: int) -> bool:
             and same(dict(saved.get("optim") or {}, total_steps=steps), dict(want["optim"], total_steps=steps)))
 
 
+def _completed(summary_path: str) -> bool:
+    """The run whose summary.json is `summary_path` finished (a missing or torn file: no)."""
+    try:
+        with open(summary_path, encoding="utf-8") as f:
+            return bool(json.load(f).get("completed"))
+    except (OSError, ValueError):
+        return False
+
+
 def make_base(steps: int, args: argparse.Namespace, cfg: Any, say=print) -> str:
     """The base directory of budget `steps` (module docstring), created when missing."""
     from rlcode.models.hf import initial_model  # noqa: PLC0415
@@ -120,7 +129,7 @@ def make_base(steps: int, args: argparse.Namespace, cfg: Any, say=print) -> str:
         say(f"budget 0: the fresh model {base}")
         return base
     summary = os.path.join(workdir, "summary.json")
-    if os.path.exists(summary) and json.load(open(summary)).get("completed"):
+    if _completed(summary):
         say(f"budget {steps}: pretrained before, {base}")
         return base
     cmd = [sys.executable, "-m", "experiments.pretrain", f"--config={args.pretrain_config}",
@@ -130,7 +139,7 @@ def make_base(steps: int, args: argparse.Namespace, cfg: Any, say=print) -> str:
         cmd.append("--config.resume=True")
     say(f"budget {steps}: {shlex.join(cmd)}")
     done = subprocess.run(cmd)
-    if done.returncode != 0 or not json.load(open(summary)).get("completed"):
+    if done.returncode != 0 or not _completed(summary):
         raise SystemExit(f"budget {steps}: pretraining did not finish (exit {done.returncode}); rerun to resume")
     return base
 
@@ -153,7 +162,10 @@ def collect(args: argparse.Namespace, budgets: list[dict], rl_data: dict) -> dic
     by_base = {}
     for run in rl_data["runs"]:
         summary_path = os.path.join(run["workdir"], "summary.json")
-        summary = json.load(open(summary_path)) if os.path.exists(summary_path) else {}
+        summary = {}
+        if os.path.exists(summary_path):
+            with open(summary_path, encoding="utf-8") as f:
+                summary = json.load(f)
         first, last = summary.get("first_eval") or {}, summary.get("last_eval") or {}
         by_base.setdefault(run["variant"]["base"], []).append({
             "seed": run["seed"], "workdir": run["workdir"], "completed": bool(summary.get("completed")),

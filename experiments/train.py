@@ -92,16 +92,19 @@ def parse_config(argv: list[str], flag_values: flags.FlagValues = flags.FLAGS, d
     return flag_values["config"].value
 
 
-def _fail(error: ConfigError) -> int:
+def config_failure(error: ConfigError) -> int:
+    """Print `error` as the one-line config error of every entry point; its exit status."""
     print(f"config error: {error}", file=sys.stderr, flush=True)
     return CONFIG_ERROR_STATUS
 
 
-def _flags_parser(argv: list[str], default: str = DEFAULT_CONFIG) -> Any:
+def flags_parser(argv: list[str], default: str = DEFAULT_CONFIG) -> Any:
+    """absl's flags parser for an entry point whose --config defaults to `default`: the parsed
+    config, or exit with the one-line config error."""
     try:
         return parse_config(argv, default=default)
     except ConfigError as e:
-        sys.exit(_fail(e))
+        sys.exit(config_failure(e))
 
 
 def main(config: Any) -> int:
@@ -120,7 +123,7 @@ def main(config: Any) -> int:
     try:
         result = job.run(config)
     except ConfigError as e:
-        return _fail(e)
+        return config_failure(e)
     except KeyboardInterrupt:
         # Before the RL loop (SFT, compilation) or a second Ctrl-C: nothing half-written is kept.
         print(f"aborted; checkpoints saved so far are in {config.workdir}/checkpoints "
@@ -138,4 +141,4 @@ def main(config: Any) -> int:
 
 if __name__ == "__main__":
     sys.argv[:] = translate_aliases(sys.argv)  # config_flags reads its overrides from sys.argv
-    app.run(main, flags_parser=_flags_parser)
+    app.run(main, flags_parser=flags_parser)
