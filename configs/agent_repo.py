@@ -43,6 +43,7 @@ from rlcode.models.lora import lora_config
 from rlcode.models.transformer import model_config
 from rlcode.recipes import RECIPES, recipe
 from rlcode.sharding import mesh_config
+from rlcode.train.pretrain import start_from_base
 from rlcode.train.sft import sft_config
 from rlcode.train.step import optim_config
 
@@ -50,7 +51,6 @@ ARGS = ("attention=squid", "attention=dense") + tuple(f"loss={n}" for n in RECIP
     "levels=1", "levels=12", "levels=123", "base=code", "base=code,levels=123")
 
 # The pretrained base and the agent's budgets in its tokens (the docstring says how they were sized).
-CODE_BASE = "checkpoints/code_base"
 BPE_BUDGETS = {"max_context_tokens": (1280, 1792), "max_response_tokens": (96, 192), "length_midpoint": 224.0}
 
 AGENT_SHAPE = dict(vocab_size=320, d_model=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32,
@@ -73,10 +73,7 @@ def get_config(arg=None):
     cfg.tokenizer = "byte"  # or a tokenizer.json / checkpoint directory, or "init_from" (model.init_from's files)
     cfg.resume_override = False  # resume with a changed config (see the docstring)
     cfg.model = model_config(**AGENT_SHAPE, attention=attention_config(choices["attention"]))
-    base = choices["base"]
-    if base != "bytes":
-        cfg.model.init_from = CODE_BASE if base == "code" else base
-        cfg.tokenizer = "init_from"
+    from_base = start_from_base(cfg, choices["base"])
     cfg.mesh = mesh_config()
 
     # num_train tasks are RL prompts; the first num_demos of them are also SFT demonstrations.
@@ -99,7 +96,7 @@ def get_config(arg=None):
     cfg.reward = reward_config(test_reward="all_pass", turn_weight=0.02, malformed_weight=0.1,
                                length_midpoint=512.0)
 
-    if base != "bytes":
+    if from_base:
         long = 3 in cfg.task.levels
         cfg.agent.max_context_tokens = BPE_BUDGETS["max_context_tokens"][long]
         cfg.agent.max_response_tokens = BPE_BUDGETS["max_response_tokens"][long]

@@ -47,6 +47,7 @@ from rlcode.recipes import RECIPES, recipe
 from rlcode.sharding import mesh_config
 from rlcode.envs.rewards import synth_reward_config
 from rlcode.envs.tasks.protocol import COMPLETION_SOURCES
+from rlcode.train.pretrain import start_from_base
 from rlcode.train.sft import sft_config
 from rlcode.train.step import optim_config
 
@@ -55,7 +56,6 @@ ARGS = tuple(f"loss={name}" for name in RECIPES) + ("attention=nsa", "attention=
 
 # The pretrained base (experiments/pretrain.py --publish) and the lengths its BPE needs: 95% of the
 # synthesis prompts are within 110 tokens and every reference solution within 36.
-CODE_BASE = "checkpoints/code_base"
 BPE_LENGTHS = dict(max_prompt_len=112, max_new_tokens=40)
 
 # NSA at the scale of these sequences (prompt <= 192 + 80 generated tokens).
@@ -84,10 +84,7 @@ def get_config(arg=None):
         cfg.model.mlp = moe_config(num_experts=8, top_k=2, expert_ffw_dim=96)
     cfg.model.attention = attention_config(choices["attention"], **(SYNTH_NSA if choices["attention"] == "nsa" else {}))
     cfg.mesh = mesh_config()
-    base = choices["base"]
-    if base != "bytes":
-        cfg.model.init_from = CODE_BASE if base == "code" else base
-        cfg.tokenizer = "init_from"
+    from_base = start_from_base(cfg, choices["base"])
 
     # Task suite: depth-1 and depth-2 programs; prompts up to 192 bytes (about 95% of tasks).
     # num_eval: held-out behaviours (the reported eval); num_fresh: new tasks of the training
@@ -96,7 +93,7 @@ def get_config(arg=None):
         {"source": "synth", "levels": (1, 2), "num_train": 4000, "num_eval": 64, "num_fresh": 64,
          "max_prompt_len": 192, "seed": 0})
     cfg.sampling = ml_collections.ConfigDict({"max_new_tokens": 80, "temperature": 1.0, "top_k": 0, "top_p": 1.0})
-    if base != "bytes":
+    if from_base:
         cfg.task.max_prompt_len = BPE_LENGTHS["max_prompt_len"]
         cfg.sampling.max_new_tokens = BPE_LENGTHS["max_new_tokens"]
     if choices["source"] not in COMPLETION_SOURCES:

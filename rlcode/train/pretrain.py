@@ -275,6 +275,18 @@ def run(cfg: Any, *, log: Callable[[str], None] | None = None, hooks: dict[str, 
 
 BASE_DIR = "base"
 REPORT = "pretrain.json"
+PUBLISHED = os.path.join("checkpoints", "code_base")  # the committed base (experiments/pretrain.py --publish)
+
+
+def start_from_base(cfg: Any, base: str) -> bool:
+    """Apply an RL config's ``base=`` argument to `cfg`: ``"bytes"`` keeps its fresh byte-level
+    policy (False); ``"code"`` (the published base, `PUBLISHED`) or a checkpoint directory sets
+    ``model.init_from`` to it and takes the tokenizer from its files (True)."""
+    if base == "bytes":
+        return False
+    cfg.model.init_from = PUBLISHED if base == "code" else base
+    cfg.tokenizer = "init_from"
+    return True
 
 
 def export_model(model: Any, tokenizer: Any, out: str, report: dict[str, Any]) -> dict[str, Any]:

@@ -178,7 +178,8 @@ def test_the_committed_base_loads_with_its_tokenizer_and_report():
     base = os.path.join(ROOT, "checkpoints", "code_base")
     model = hf.load_checkpoint(base, dtype="float32")
     tok = load_tokenizer(base)
-    report = json.load(open(os.path.join(base, pretrain.REPORT)))
+    with open(os.path.join(base, pretrain.REPORT), encoding="utf-8") as f:
+        report = json.load(f)
     assert report["step"] == report["steps"] and report["heldout_step"] == report["step"]
     assert report["parameters"] == sum(np.size(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     assert model.cfg.vocab_size == tok.vocab_size and report["config"]["model"]["vocab_size"] == tok.vocab_size
