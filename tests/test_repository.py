@@ -104,3 +104,32 @@ def test_the_development_run_keeps_each_test_functions_first_case_and_no_slow_te
     assert set(fast) == {firsts[f] for f in functions} and set(fast) <= set(marked)
     assert "tests/rlcode/test_sampling.py::test_top_k_1_is_greedy_against_full_forward" in set(everything) - set(fast)
     assert sum("[" in n for n in marked) > sum("[" in n for n in fast)  # -m keeps every case
+
+
+def test_a_foreign_kernels_package_is_refused_by_name(tmp_path):
+    """A third-party distribution also ships a top-level `kernels`: where it would be found before
+    this project's (outside the checkout), importing rlcode fails at once naming both packages,
+    not later inside a kernel import; this project's own is accepted, and no installed package
+    may shadow it."""
+    import subprocess
+    import sys
+
+    foreign = tmp_path / "site" / "kernels"
+    foreign.mkdir(parents=True)
+    (foreign / "__init__.py").write_text("")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), ROOT])}
+    r = subprocess.run([sys.executable, "-c", "import rlcode"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "ImportError" in r.stderr, r.stderr
+    assert str(foreign) in r.stderr and os.path.join(ROOT, "kernels") in r.stderr, r.stderr
+    env["PYTHONPATH"] = ROOT
+    r = subprocess.run([sys.executable, "-c", "import rlcode, kernels; print(kernels.__file__)"], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == os.path.join(ROOT, "kernels", "__init__.py"), r.stderr
+    # Installed from the checkout with the test extra, nothing else claims the name (a dependency
+    # that pulls such a distribution in would shadow the kernels for every user outside the root).
+    import importlib.metadata as md
+
+    claim = [d.metadata["Name"] for d in md.distributions()
+             if d.metadata["Name"] != "rlcode" and "kernels/__init__.py" in {str(f) for f in (d.files or ())}]
+    assert not claim, claim

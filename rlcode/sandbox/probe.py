@@ -58,6 +58,7 @@ import tempfile
 import time
 import uuid
 
+import rlcode
 from rlcode.sandbox import fstree
 from rlcode.sandbox import isolation
 from rlcode.sandbox import seccomp
@@ -222,8 +223,11 @@ def listing(path):
         return "unreadable"
 
 
-def project_source(name):
-    """Whether the import system finds package `name` and its source can be read."""
+def project_source(name, home=None):
+    """Whether the import system finds package `name` and its source can be read. `home` is
+    where this project's package of that name lives on the host: a package of the same name
+    found anywhere else is someone else's ("elsewhere"; a third-party distribution may ship a
+    top-level package called `kernels`), not this project's code. Without `home` every find counts."""
     import importlib.util
     try:
         spec = importlib.util.find_spec(name)
@@ -231,8 +235,12 @@ def project_source(name):
         return "absent"
     if spec is None:
         return "absent"
+    places = list(spec.submodule_search_locations or ())
+    if spec.has_location and spec.origin:
+        places.append(os.path.dirname(spec.origin))
+    if home is not None and places and not any(_within(p, home) for p in places):
+        return "elsewhere"
     if not spec.has_location:
-        places = list(spec.submodule_search_locations or ())
         return "readable" if any(listing(p) not in ("absent", "unreadable", []) for p in places) else "empty"
     try:
         with open(spec.origin, "rb") as f:
@@ -240,6 +248,11 @@ def project_source(name):
         return "readable"
     except OSError as e:
         return errno.errorcode.get(e.errno, "E?")
+
+
+def _within(path, home):
+    path, home = os.path.realpath(path), os.path.realpath(home)
+    return path == home or path.startswith(home.rstrip("/") + "/")
 
 
 def fill_workdir(w):
@@ -318,7 +331,7 @@ def measure():
     m["view"] = {"listed": {p: listing(p) for p in A["view"]["list"]},
                  "exposed_missing": [p for p in A["view"]["exposed"] if not os.path.exists(p)],
                  "canary": os.path.lexists(A["view"]["canary"]) if A["view"]["canary"] else None,
-                 "project_code": {name: project_source(name) for name in A["view"]["packages"]}}
+                 "project_code": {name: project_source(name, home) for name, home in A["view"]["packages"].items()}}
     if A.get("workdir"):
         m["workdir"] = fill_workdir(A["workdir"])
     if A.get("held"):
@@ -584,7 +597,15 @@ def _expected_view(exposed: list[str], hidden: list[str], canary: str | None, wo
             same[p] = sorted(os.listdir(p))
     present = [p for p in shown if p not in covered and not any(isolation.under(p, d) for d in private[1:])]
     return {"within": within, "same": same, "exposed": present, "canary": canary,
-            "packages": list(isolation.PROJECT_PACKAGES), "list": sorted({*within, *same})}
+            "packages": {name: _package_home(name) for name in isolation.PROJECT_PACKAGES},
+            "list": sorted({*within, *same})}
+
+
+def _package_home(name: str) -> str | None:
+    """The host directory of this project's package `name`: beside `rlcode` (where the project
+    is installed or checked out), None where there is none."""
+    home = os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(rlcode.__file__))), name)
+    return home if os.path.isdir(home) else None
 
 
 def _run_modes(worker, python: str, args: dict, comm: str, report: dict, workdir: str) -> None:
