@@ -30,6 +30,7 @@ from rlcode.envs.tasks import repo as repo_tasks
 from rlcode.sandbox import fstree
 from rlcode.tokenizer import Tokenizer
 from rlcode.train.episodes import Episode, episode_kwargs, grade_episode
+from rlcode.train.step import with_score_index
 
 ROW_MULTIPLE = 8  # training batches are padded to a multiple of this many rows (few shapes to compile)
 
@@ -79,7 +80,7 @@ class Demonstrations:
         b = {k: jnp.asarray(v[ids][:, :T] if v.ndim == 2 else v[ids]) for k, v in self.arrays_.items()}
         b["advantages"] = jnp.ones(len(ids), jnp.float32)
         b["old_logp"] = jnp.zeros(b["mask"].shape, jnp.float32)
-        return b
+        return with_score_index(b)
 
 
 def expert_demonstrations(tasks: Sequence[repo_tasks.RepoTask], pool: Any, tokenizer: Tokenizer, cfg: Any,
@@ -164,4 +165,4 @@ def training_batch(episodes: Sequence[Episode], cfg: Any, pad_id: int, row_multi
         behavior[row:row + count][sampled] = logp
         row += count
     batch["behavior_logp"] = behavior
-    return batch
+    return with_score_index(batch)

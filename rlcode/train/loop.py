@@ -56,7 +56,7 @@ from rlcode.envs.rewards import SYNTH_TEST_REWARDS, SynthRewardConfig, synth_rew
 from rlcode.train.rollout import (EncodedTasks, Grader, Rollout, RolloutCollector, RolloutConfig, encode_tasks,
                                   trim_batch)
 from rlcode.train.schema import MAX_SANDBOX_WORKERS, SEED, check_common, check_schema, mesh_sizes
-from rlcode.train.step import make_logprob_fn
+from rlcode.train.step import make_logprob_fn, with_score_index
 
 
 # ------------------------------------------------------------------------------ validation
@@ -211,6 +211,7 @@ def make_prepare_fn(objective: losses.ObjectiveConfig, adv_cfg: adv_lib.Advantag
         batch = {"inputs": tb.inputs, "targets": tb.targets, "positions": tb.positions,
                  "mask": tb.mask & valid[:, None], "kv_lengths": tb.kv_lengths, "behavior_logp": tb.behavior_logp}
         batch = trim_batch(batch, int(np.max(r.prompt_lengths.repeat(group_size) + r.lengths)) - 1, trim_multiple)
+        batch = with_score_index(batch)  # the prompts' positions are not scored
         return scores(params, ref_params, batch, jnp.asarray(r.rewards), valid)
 
     return prepare

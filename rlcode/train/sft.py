@@ -35,7 +35,7 @@ from rlcode.models.transformer import init_model
 from rlcode.sampling import SampleOutput, to_training_batch
 from rlcode.train.checkpoint import CheckpointError, Checkpointer
 from rlcode.train.rollout import EncodedTasks, trim_batch
-from rlcode.train.step import init_train_state, make_optimizer, make_train_step, optim_config
+from rlcode.train.step import init_train_state, make_optimizer, make_train_step, optim_config, with_score_index
 from rlcode.train.workdir import ADDED_FIELDS
 
 
@@ -80,7 +80,7 @@ def demo_batch(demos: EncodedTasks, ids: np.ndarray, trim_multiple: int = 32) ->
         "old_logp": jnp.zeros(tb.mask.shape, jnp.float32),
     }
     needed = int(np.max(demos.prompt_lengths[ids] + lengths)) - 1
-    return trim_batch(batch, needed, trim_multiple)
+    return with_score_index(trim_batch(batch, needed, trim_multiple))
 
 
 def _demo_arrays(demos: Any) -> tuple[np.ndarray, ...]:

@@ -10,7 +10,8 @@ the state donated.
 Batch keys (all [B, T] unless noted): inputs, targets, positions, mask, kv_lengths [B],
 advantages ([B] or [B, T]), old_logp; optional behavior_logp (IS correction), ref_logp (KL),
 old_values and returns (PPO value loss), segment_ids and is_global (packed documents under squid
-attention, `rlcode.models.attention.AttentionMask`).
+attention, `rlcode.models.attention.AttentionMask`), score_index [B, K] (`with_score_index`: the
+log-probs, and the unembedding with them, are computed at those positions only).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -34,7 +36,9 @@ from rlcode.models.transformer import logical_axes
 from rlcode.sharding import DEFAULT_RULES, Rules, named_shardings, place, put
 
 BATCH_KEYS = ("inputs", "targets", "positions", "mask", "kv_lengths", "advantages", "old_logp")
-OPTIONAL_BATCH_KEYS = ("behavior_logp", "ref_logp", "old_values", "returns", "segment_ids", "is_global")
+OPTIONAL_BATCH_KEYS = ("behavior_logp", "ref_logp", "old_values", "returns", "segment_ids", "is_global",
+                       "score_index")
+SCORE_MIN = 64  # score_index widths are powers of two from this (few shapes to compile)
 
 
 class TrainState(NamedTuple):
@@ -148,14 +152,44 @@ def state_shardings(state: TrainState) -> Any:
     return jax.tree.map(lambda x: x.sharding, state)
 
 
+def with_score_index(batch: dict, minimum: int = SCORE_MIN, max_fraction: float = 0.75) -> dict:
+    """`batch` plus ``score_index`` [B, K]: in each row, the positions where ``mask`` is set, in
+    order, then -1 (K = the largest count rounded up to a power of two, at least `minimum`, so
+    a run compiles few shapes). Log-probs are then computed
+    only there: the loss uses no other position, and the unembedding with its softmax over the
+    vocabulary is the costliest part of scoring a token. Positions outside the mask get log-prob
+    0 (as the losses mask them anyway). Returned unchanged where K would exceed `max_fraction`
+    of the time axis (little to save), or where it is already there."""
+    if "score_index" in batch:
+        return batch
+    mask = np.asarray(batch["mask"], bool)
+    B, T = mask.shape
+    K = max(minimum, 1 << (max(int(mask.sum(1).max(initial=0)), 1) - 1).bit_length())
+    if K > max_fraction * T:
+        return batch
+    order = np.argsort(~mask, axis=1, kind="stable")[:, :K]  # masked positions first, in order
+    index = np.where(np.take_along_axis(mask, order, axis=1), order, -1).astype(np.int32)
+    return dict(batch, score_index=jnp.asarray(index))
+
+
 def _forward_logprobs(graphdef, params, mb, sampling_options, need_entropy):
     model = nnx.merge(graphdef, params)
     mask = AttentionMask(kv_lengths=mb["kv_lengths"], segment_ids=mb.get("segment_ids"), is_global=mb.get("is_global"))
     out = model(mb["inputs"], mb["positions"], mask)
     w, layout = model.unembedding()
-    res = token_logprobs(out.hidden, w, mb["targets"], **sampling_options, unembed_layout=layout,
+    hidden, targets, index = out.hidden, mb["targets"], mb.get("score_index")
+    if index is not None:  # only the scored positions reach the unembedding (`with_score_index`)
+        at = jnp.maximum(index, 0)
+        hidden = jnp.take_along_axis(hidden, at[..., None], axis=1)
+        targets = jnp.take_along_axis(targets, at, axis=1)
+    res = token_logprobs(hidden, w, targets, **sampling_options, unembed_layout=layout,
                          return_entropy=need_entropy)
     logp, entropy = res if need_entropy else (res, None)
+    if index is not None:
+        scatter = lambda x: jnp.zeros(mb["targets"].shape, x.dtype).at[
+            jnp.arange(x.shape[0])[:, None], jnp.maximum(index, 0)].add(jnp.where(index >= 0, x, 0))
+        logp = scatter(logp)
+        entropy = None if entropy is None else scatter(entropy)
     return logp, entropy, out.values, out.aux
 
 

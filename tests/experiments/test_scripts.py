@@ -62,6 +62,19 @@ def test_bench_logprobs_quick(tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_scoring_quick(tmp_path):
+    """Scoring the loss positions only gives the same log-probs and loss as scoring all of them."""
+    path = tmp_path / "bench.json"
+    stdout = run("experiments.bench_scoring", "--quick", f"--out={path}")
+    assert "| train |" in stdout
+    result = json.loads(path.read_text())
+    assert result["max_logp_diff"] < 1e-5 and result["score_index_width"] < result["length"]
+    assert abs(result["loss"]["full"] - result["loss"]["scored"]) <= 1e-5 * max(1.0, abs(result["loss"]["full"]))
+    assert [r["stage"] for r in result["results"]] == ["score", "train"]
+    assert all(r["full_s"] > 0 and r["scored_s"] > 0 for r in result["results"])
+
+
+@pytest.mark.slow
 def test_bench_load_writes_loads_and_reports_memory(tmp_path):
     path = tmp_path / "bench.json"
     stdout = run("experiments.bench_load", "--shape=tiny", f"--workdir={tmp_path}", "--repeats=1", "--shard_mb=1",

@@ -48,6 +48,60 @@ def test_loss_equals_objective_from_full_logits():
     assert float(metrics["grad_norm"]) > 0 and float(metrics["lr"]) > 0
 
 
+def _sparse_batch(B, T, most, seed):
+    """make_batch's rows with a mask of at most `most` scattered positions per row (one row empty)."""
+    rng = np.random.default_rng(seed)
+    batch = step_check.make_batch(B=B, T=T, seed=seed)
+    mask = np.zeros((B, T), bool)
+    for b in range(1, B):
+        n = int(rng.integers(1, most + 1))
+        mask[b, rng.choice(int(batch["kv_lengths"][b]), min(n, int(batch["kv_lengths"][b])), replace=False)] = True
+    batch["mask"] = mask
+    return batch
+
+
+def test_the_score_index_lists_each_rows_loss_positions_in_order():
+    batch = _sparse_batch(6, 40, 9, seed=3)
+    out = step_lib.with_score_index(batch, minimum=4)
+    index = np.asarray(out["score_index"])
+    K = 1 << (int(batch["mask"].sum(1).max()) - 1).bit_length()  # a power of two, for few shapes
+    assert index.shape == (6, K) and K >= batch["mask"].sum(1).max()
+    for b in range(6):  # the naive loop
+        want = [t for t in range(40) if batch["mask"][b, t]]
+        assert list(index[b]) == want + [-1] * (K - len(want)), b
+    dense = step_check.make_batch()  # most positions are scored: nothing to gain, left as it is
+    assert "score_index" not in step_lib.with_score_index(dense)
+    assert step_lib.with_score_index(out) is out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("B,T,most,microbatches", [(8, 48, 6, 1), (16, 96, 20, 2), (4, 200, 33, 4)])
+def test_scoring_only_the_loss_positions_changes_no_number(B, T, most, microbatches):
+    """Log-probs at the mask's positions, the loss, every metric and the updated parameters are
+    those of scoring every position (PPO with KL, entropy, IS and value terms); elsewhere 0."""
+    batch = _sparse_batch(B, T, most, seed=B + T)
+    scored = step_lib.with_score_index(batch, minimum=8)
+    assert "score_index" in scored
+    graphdef, state, train_step, _ = fresh(microbatches=microbatches)
+    logprob = step_lib.make_logprob_fn(graphdef)
+    full, _ = logprob(state.params, {k: jnp.asarray(v) for k, v in batch.items()})
+    part, _ = logprob(state.params, {k: jnp.asarray(v) for k, v in scored.items()})
+    m = batch["mask"]
+    np.testing.assert_allclose(np.asarray(part)[m], np.asarray(full)[m], rtol=1e-5, atol=1e-5)
+    assert not np.asarray(part)[~m].any()
+    results = []
+    for b in (batch, scored):
+        _, state, train_step, _ = fresh(microbatches=microbatches)
+        state, metrics = train_step(state, {k: jnp.asarray(v) for k, v in b.items()})
+        results.append((jax.tree.map(float, metrics), jax.tree.map(np.asarray, state.params)))
+    (m0, p0), (m1, p1) = results
+    assert m0.keys() == m1.keys()
+    for k in m0:
+        np.testing.assert_allclose(m1[k], m0[k], rtol=2e-5, atol=1e-6, err_msg=k)
+    for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p0)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-6)
+
+
 @pytest.mark.slow
 def test_microbatches_give_the_full_batch_update():
     batch = {k: jnp.asarray(v) for k, v in step_check.make_batch().items()}
