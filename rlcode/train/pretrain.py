@@ -61,7 +61,8 @@ COMMON_FIELDS = ("seed", "workdir", "resume", "resume_override", "tokenizer", "m
 PRETRAIN_SECTIONS = {
     "job": text(("pretrain",)),
     "data": {"corpus_dir": text(), "seq_len": integer(2), "rows_per_step": integer(1), "eval_batch": integer(1),
-             "max_heldout_rows": integer(0)},
+             "max_heldout_rows": integer(0), "repeat_fraction": real(0, 1, required=False),
+             "repeat_span": integer(2, required=False)},
     "train": {"steps": integer(1), "microbatches": integer(1), "max_minutes": real(0, required=False)},
     "eval": {"every": integer(0), "at_start": flag(), "at_end": flag()},
 }
@@ -176,6 +177,61 @@ def train_batch(packed: packing.Packed, rows: np.ndarray) -> dict[str, jax.Array
             "old_logp": jnp.zeros((B, T), jnp.float32)}
 
 
+def repeated_rows(packed: packing.Packed, rows: np.ndarray, spans: np.ndarray) -> dict[str, np.ndarray]:
+    """Rows made of one span repeated: row r's first spans[r] tokens, then the same again until
+    the row is full, one document (positions 0..T-1). A model that copies from its context
+    predicts every repeat after the first exactly; next-token statistics alone do not. Returns
+    the `packing.Packed` fields of those rows (numpy) plus ``repeat`` [B, T]: the targets that
+    lie in a repeat (not in the first copy)."""
+    T = packed.inputs.shape[1]
+    tokens = np.concatenate([packed.inputs[rows], packed.targets[rows][:, -1:]], axis=1)  # T + 1 tokens per row
+    idx = np.arange(T + 1)[None, :] % spans[:, None]
+    seq = np.take_along_axis(tokens, idx, axis=1)
+    ones = np.ones((len(rows), T), packed.mask.dtype)
+    return {"inputs": seq[:, :-1], "targets": seq[:, 1:], "positions": np.broadcast_to(np.arange(T), (len(rows), T)),
+            "mask": ones, "segment_ids": ones.astype(packed.segment_ids.dtype),
+            "repeat": np.arange(1, T + 1)[None, :] >= spans[:, None]}
+
+
+def with_repeats(packed: packing.Packed, rows: np.ndarray, fraction: float, max_span: int, count: int,
+                 seed: int) -> dict[str, jax.Array]:
+    """`train_batch` of `rows` where a `fraction` of them (drawn from (seed, count)) are
+    `repeated_rows` with spans uniform in [max_span // 8, max_span]: copying from the context
+    is learnt from these, which a few million tokens of code alone do not teach a small model."""
+    b = train_batch(packed, rows)
+    rng = np.random.default_rng([seed, count, 7])
+    pick = np.flatnonzero(rng.random(len(rows)) < fraction)
+    if not len(pick):
+        return b
+    spans = rng.integers(max(max_span // 8, 1), max_span + 1, len(pick))
+    rep = repeated_rows(packed, rows[pick], spans)
+    for k in ("inputs", "targets", "positions", "segment_ids"):
+        b[k] = b[k].at[pick].set(jnp.asarray(rep[k], b[k].dtype))
+    b["mask"] = b["mask"].at[pick].set(True)
+    return b
+
+
+def heldout_copy(logprob: Callable, params: Any, data: PackedCorpus, batch: int, span: int = 128,
+                 max_rows: int = 32) -> dict[str, float]:
+    """In-context copying on held-out code: each of the first `max_rows` rows' first `span`
+    tokens repeated; NLL (nats per token) of the first copy and of the repeats. A model that
+    copies has a far lower NLL on the repeats; one that does not, about the same."""
+    n = min(data.rows, max_rows)
+    first = repeat = 0.0
+    counts = [0, 0]
+    for start in range(0, n, batch):
+        rows = np.arange(start, min(start + batch, n))
+        rep = repeated_rows(data.packed, rows, np.full(len(rows), span))
+        b = {k: jnp.asarray(v) for k, v in rep.items() if k != "repeat"}
+        b.update(mask=b["mask"].astype(bool), kv_lengths=jnp.full((len(rows),), b["inputs"].shape[1], jnp.int32))
+        logp = np.asarray(logprob(params, b)[0])
+        first -= float(logp[~rep["repeat"]].sum())
+        repeat -= float(logp[rep["repeat"]].sum())
+        counts[0] += int((~rep["repeat"]).sum())
+        counts[1] += int(rep["repeat"].sum())
+    return {"copy_first_nll": first / max(counts[0], 1), "copy_repeat_nll": repeat / max(counts[1], 1)}
+
+
 def heldout_loss(logprob: Callable, params: Any, data: PackedCorpus, batch: int) -> dict[str, float]:
     """NLL in nats per token and bits per byte over every row of `data`, `batch` rows at a time
     (the last batch padded with rows that predict nothing)."""
@@ -229,16 +285,22 @@ def plan(ctx: Context, data: tuple[PackedCorpus, PackedCorpus]) -> Plan:
     def collect(params, version, count):
         return RowBatch(batch_rows(count, B, tr.rows, seed), version, count)
 
+    fraction, max_span = cfg.data.get("repeat_fraction", 0.0), cfg.data.get("repeat_span", 256)
+
     def prepare(params, ref_params, r: RowBatch):
+        if fraction > 0:
+            return with_repeats(tr.packed, r.rows, fraction, max_span, r.count, seed)
         return train_batch(tr.packed, r.rows)
 
     def evaluate(params, step):
         t0 = time.perf_counter()
         m = {f"heldout/{k}": v for k, v in heldout_loss(logprob, params, ho, cfg.data.eval_batch).items()}
+        m.update({f"heldout/{k}": v for k, v in heldout_copy(logprob, params, ho, cfg.data.eval_batch).items()})
         m["heldout/seconds"] = time.perf_counter() - t0
         ctx.writer.scalars(step, m)
-        ctx.say(f"held-out @ step {step}: {m['heldout/bpb']:.4f} bits per byte, {m['heldout/nll']:.4f} nats per token "
-                f"({m['heldout/seconds']:.0f} s)")
+        ctx.say(f"held-out @ step {step}: {m['heldout/bpb']:.4f} bits per byte, {m['heldout/nll']:.4f} nats per token; "
+                f"copying a 128-token span: {m['heldout/copy_first_nll']:.2f} -> {m['heldout/copy_repeat_nll']:.2f} "
+                f"nats per token ({m['heldout/seconds']:.0f} s)")
         return m
 
     def metrics(r: RowBatch):

@@ -94,6 +94,53 @@ def test_heldout_bits_per_byte_equal_each_file_alone_in_float64(tmp_path):
     assert abs(got["bpb"] - nll / math.log(2) / n_bytes) < 1e-4 * got["bpb"]
 
 
+def test_repeated_rows_repeat_each_rows_first_span_as_one_document():
+    packed = pretrain.pack_texts(texts(6, seed=4), ByteTokenizer(), 40).packed
+    rows, spans = np.array([0, 2, 1]), np.array([5, 40, 13])
+    rep = pretrain.repeated_rows(packed, rows, spans)
+    for i, (r, n) in enumerate(zip(rows, spans)):  # the naive loop
+        stream = list(packed.inputs[r]) + [packed.targets[r, -1]]
+        want = [stream[t % n] for t in range(41)]
+        assert list(rep["inputs"][i]) == want[:40] and list(rep["targets"][i]) == want[1:]
+        assert list(rep["repeat"][i]) == [t + 1 >= n for t in range(40)]
+    assert rep["mask"].all() and (rep["segment_ids"] == 1).all()
+    assert (rep["positions"] == np.arange(40)).all()
+    # with_repeats: about the asked share of rows is replaced, the same rows on a rerun of the step.
+    ids = np.arange(packed.inputs.shape[0])
+    b = pretrain.with_repeats(packed, ids, 0.5, 16, count=3, seed=0)
+    again = pretrain.with_repeats(packed, ids, 0.5, 16, count=3, seed=0)
+    assert np.array_equal(np.asarray(b["inputs"]), np.asarray(again["inputs"]))
+    plain = pretrain.train_batch(packed, ids)
+    changed = [i for i in ids if not np.array_equal(np.asarray(b["inputs"][i]), np.asarray(plain["inputs"][i]))]
+    assert changed and len(changed) < len(ids)
+    for i in changed:
+        row = np.asarray(b["inputs"][i])
+        n = next(n for n in range(2, 17) if np.array_equal(row[n:], row[:-n]))  # periodic with a span <= 16
+        assert n >= 2 and (np.asarray(b["segment_ids"][i]) == 1).all()
+    assert np.array_equal(np.asarray(pretrain.with_repeats(packed, ids, 0.0, 16, 3, 0)["inputs"]),
+                          np.asarray(plain["inputs"]))
+
+
+def test_heldout_copy_tells_a_copying_model_from_one_that_does_not(tmp_path):
+    """The copy metric is the NLL of the first copy and of the repeats: for a model whose
+    log-probs come from a lookup of the previous occurrence it falls on the repeats; for
+    a fresh model it does not."""
+    data = pretrain.pack_texts(texts(12, seed=5), ByteTokenizer(), 256)
+    model_cfg = tiny_config(tmp_path).model
+    model = init_model(model_cfg, seed=0)
+    graphdef, state = nnx.split(model)
+    fresh = pretrain.heldout_copy(make_logprob_fn(graphdef), nnx.to_pure_dict(state), data, batch=4, span=32)
+    assert abs(fresh["copy_repeat_nll"] - fresh["copy_first_nll"]) < 0.1 * fresh["copy_first_nll"]
+
+    def oracle(params, b):  # knows each row's period: the repeats are certain, the first copy is not
+        inputs = np.asarray(b["inputs"])
+        logp = np.where(np.arange(inputs.shape[1])[None, :] + 1 >= 32, 0.0, -3.0)
+        return jnp.asarray(np.broadcast_to(logp, inputs.shape)), None
+
+    copying = pretrain.heldout_copy(oracle, None, data, batch=4, span=32)
+    assert copying == {"copy_first_nll": 3.0, "copy_repeat_nll": 0.0}
+
+
 def test_config_errors_name_the_field(tmp_path):
     write_corpus(tmp_path / "corpus")
     cfg = tiny_config(tmp_path)
@@ -127,8 +174,8 @@ def test_job_learns_logs_resumes_exactly_and_exports(tmp_path):
     result = pretrain.run(full, log=lambda m: None)
     assert result.completed and result.steps_done == 6
     scalars = read_scalars(tmp_path / "full" / "tb")
-    for tag in ("train/bpb", "heldout/bpb", "heldout/nll", "data/epoch", "data/tokens",
-                "throughput/train_tokens_per_s"):
+    for tag in ("train/bpb", "heldout/bpb", "heldout/nll", "heldout/copy_first_nll", "heldout/copy_repeat_nll",
+                "data/epoch", "data/tokens", "throughput/train_tokens_per_s"):
         assert tag in scalars, tag
     assert [s for s, _ in scalars["heldout/bpb"]] == [0, 3, 6]
     heldout = [v for _, v in scalars["heldout/bpb"]]
