@@ -269,6 +269,32 @@ def _run_interpreted(kernel, grid, constexprs, arg_kinds, scalars, outs, *host_a
     return tuple(results)
 
 
+def _call_compiled(args, kernel, outs, grid, num_warps, num_stages, constexprs) -> tuple:
+    """The launch through jax-triton, with the interpreter's conventions kept.
+
+    * A Python float argument is passed as float32, as Triton's own launcher and its interpreter
+      pass it (jax-triton passes it as float64, which makes float64 arithmetic of everything it
+      touches and fails to compile where it meets a float32 loop variable).
+    * Under `jax.vmap` the kernel is launched once per row (`jax.custom_batching.sequential_vmap`,
+      as the interpreted launch's callback does); jax-triton alone refuses to be batched.
+    """
+    import jax_triton
+
+    args = tuple(np.float32(a) if isinstance(a, float) else a for a in args)
+    positions = [i for i, a in enumerate(args) if not isinstance(a, (bool, int, np.float32))]
+
+    def launch(*arrays):
+        full = list(args)
+        for i, a in zip(positions, arrays):
+            full[i] = a
+        return tuple(jax_triton.triton_call(
+            *full, kernel=kernel, out_shape=outs, grid=grid, num_warps=num_warps, num_stages=num_stages,
+            zeroed_outputs=tuple(range(len(outs))), **constexprs,
+        ))
+
+    return jax.custom_batching.sequential_vmap(launch)(*(args[i] for i in positions))
+
+
 def triton_call(
     *args: jax.Array | int | float | bool,
     kernel: Any,
@@ -287,19 +313,8 @@ def triton_call(
     outs, single = _as_shape_dtypes(out_shape)
     grid_t = _resolve_grid(grid, constexprs)
     if not interpreting():
-        import jax_triton
-
-        result = jax_triton.triton_call(
-            *args,
-            kernel=kernel,
-            out_shape=outs,
-            grid=grid_t,
-            num_warps=num_warps,
-            num_stages=num_stages,
-            zeroed_outputs=tuple(range(len(outs))),
-            **constexprs,
-        )
-        return result[0] if single else tuple(result)
+        result = _call_compiled(args, kernel, outs, grid_t, num_warps, num_stages, constexprs)
+        return result[0] if single else result
     arrays = [a for a in args if not isinstance(a, (bool, int, float))]
     kinds = tuple("scalar" if isinstance(a, (bool, int, float)) else "array" for a in args)
     scalars = tuple(a for a in args if isinstance(a, (bool, int, float)))

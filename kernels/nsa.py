@@ -315,11 +315,22 @@ def nsa_attention_reference(
 if _triton.HAVE_TRITON:
 
     @triton.jit
+    def _dot(a, b, IEEE: tl.constexpr):
+        """a @ b, accumulated in float32. IEEE (set for float32 inputs): full float32 products, as
+        the XLA reference computes them; otherwise the hardware's default (TF32 on float32 inputs,
+        which would be visibly less precise than the reference)."""
+        if IEEE:
+            out = tl.dot(a, b, input_precision="ieee")
+        else:
+            out = tl.dot(a, b)
+        return out
+
+    @triton.jit
     def _cmp_fwd_kernel(
         q_ptr, k_ptr, v_ptr, T, Tc, N, K, scale,
         o_ptr, lse_ptr,
         R: tl.constexpr, L: tl.constexpr, D: tl.constexpr, H: tl.constexpr,
-        BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, IEEE: tl.constexpr,
     ):
         """Compressed attention, one program per (query tile, b * N + head); online softmax over
         the compressed blocks the tile can see (block i visible to t iff i*D + L - 1 <= t)."""
@@ -343,7 +354,7 @@ if _triton.HAVE_TRITON:
             kv_mask = (i[:, None] < Tc) & (h[None, :] < H)
             k = tl.load(k_ptr + ((b * Tc + i[:, None]) * K + kh) * H + h[None, :], mask=kv_mask, other=0.0)
             v = tl.load(v_ptr + ((b * Tc + i[:, None]) * K + kh) * H + h[None, :], mask=kv_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k)) * scale
+            s = _dot(q, tl.trans(k), IEEE) * scale
             vis = (i[None, :] * D + L - 1 <= t[:, None]) & (i[None, :] < Tc)
             s = tl.where(vis, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -351,7 +362,7 @@ if _triton.HAVE_TRITON:
             alpha = tl.exp(m_i - m_safe)
             p = tl.where(vis, tl.exp(s - m_safe[:, None]), 0.0)
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
             m_i = m_new
         has = l_i > 0
         o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -364,7 +375,7 @@ if _triton.HAVE_TRITON:
         q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, T, Tc, N, K, scale,
         dq_ptr,
         R: tl.constexpr, L: tl.constexpr, D: tl.constexpr, H: tl.constexpr,
-        BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, IEEE: tl.constexpr,
     ):
         """dq of compressed attention, one program per (query tile, b * N + head)."""
         pid_m = tl.program_id(0)
@@ -388,12 +399,12 @@ if _triton.HAVE_TRITON:
             kv_mask = (i[:, None] < Tc) & (h[None, :] < H)
             k = tl.load(k_ptr + ((b * Tc + i[:, None]) * K + kh) * H + h[None, :], mask=kv_mask, other=0.0)
             v = tl.load(v_ptr + ((b * Tc + i[:, None]) * K + kh) * H + h[None, :], mask=kv_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k)) * scale
+            s = _dot(q, tl.trans(k), IEEE) * scale
             vis = (i[None, :] * D + L - 1 <= t[:, None]) & (i[None, :] < Tc) & (t[:, None] < T)
             p = tl.where(vis, tl.exp(s - lse[:, None]), 0.0)
-            dp = tl.dot(do, tl.trans(v))
+            dp = _dot(do, tl.trans(v), IEEE)
             ds = p * (dp - delta[:, None])
-            dq += tl.dot(ds.to(k.dtype), k)
+            dq += _dot(ds.to(k.dtype), k, IEEE)
         tl.store(dq_ptr + ((b * T + t[:, None]) * N + n) * H + h[None, :], dq * scale, mask=qmask)
 
     @triton.jit
@@ -401,7 +412,7 @@ if _triton.HAVE_TRITON:
         q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, T, Tc, N, K, scale,
         dk_ptr, dv_ptr,
         R: tl.constexpr, L: tl.constexpr, D: tl.constexpr, H: tl.constexpr,
-        BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, IEEE: tl.constexpr,
     ):
         """dk, dv of compressed attention, one program per (block tile, b * K + kv head): it loops
         over the group's R query heads and the query tiles that can see the tile's first block."""
@@ -428,13 +439,13 @@ if _triton.HAVE_TRITON:
                 lse = tl.load(lse_ptr + (b * T + t) * N + n, mask=t < T, other=0.0)
                 lse = tl.where(lse == float("-inf"), 0.0, lse)
                 delta = tl.load(delta_ptr + (b * T + t) * N + n, mask=t < T, other=0.0)
-                s = tl.dot(q, tl.trans(k)) * scale
+                s = _dot(q, tl.trans(k), IEEE) * scale
                 vis = (i[None, :] * D + L - 1 <= t[:, None]) & (i[None, :] < Tc) & (t[:, None] < T)
                 p = tl.where(vis, tl.exp(s - lse[:, None]), 0.0)
-                dv += tl.dot(tl.trans(p).to(do.dtype), do)
-                dp = tl.dot(do, tl.trans(v))
+                dv += _dot(tl.trans(p).to(do.dtype), do, IEEE)
+                dp = _dot(do, tl.trans(v), IEEE)
                 ds = p * (dp - delta[:, None])
-                dk += tl.dot(tl.trans(ds).to(q.dtype), q)
+                dk += _dot(tl.trans(ds).to(q.dtype), q, IEEE)
         tl.store(dk_ptr + ((b * Tc + i[:, None]) * K + kh) * H + h[None, :], dk * scale, mask=kv_mask)
         tl.store(dv_ptr + ((b * Tc + i[:, None]) * K + kh) * H + h[None, :], dv, mask=kv_mask)
 
@@ -443,7 +454,7 @@ if _triton.HAVE_TRITON:
         q_ptr, k_ptr, v_ptr, idx_ptr, T, N, K, scale,
         o_ptr, lse_ptr,
         R: tl.constexpr, LS: tl.constexpr, NSEL: tl.constexpr, H: tl.constexpr,
-        BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
+        BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, IEEE: tl.constexpr,
     ):
         """Selected-block attention (the paper's kernel, section 3.4): one program per (token t,
         b * K + kv head) holds the group's R query heads [BLOCK_R, H] and streams its NSEL selected
@@ -468,14 +479,14 @@ if _triton.HAVE_TRITON:
             kv_mask = kvalid[:, None] & (h[None, :] < H)
             k = tl.load(k_ptr + ((b * T + pos[:, None]) * K + kh) * H + h[None, :], mask=kv_mask, other=0.0)
             v = tl.load(v_ptr + ((b * T + pos[:, None]) * K + kh) * H + h[None, :], mask=kv_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k)) * scale
+            s = _dot(q, tl.trans(k), IEEE) * scale
             s = tl.where(kvalid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp(m_i - m_safe)
             p = tl.where(kvalid[None, :], tl.exp(s - m_safe[:, None]), 0.0)
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
             m_i = m_new
         has = l_i > 0
         o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -488,7 +499,7 @@ if _triton.HAVE_TRITON:
         q_ptr, k_ptr, v_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, T, N, K, scale,
         dq_ptr, dk_ptr, dv_ptr,
         R: tl.constexpr, LS: tl.constexpr, NSEL: tl.constexpr, H: tl.constexpr,
-        BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
+        BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, IEEE: tl.constexpr,
     ):
         """Backward of selected attention per (token, b * K + kv head): dq in registers; dk, dv of
         the selected keys are atomically added to float32 buffers (many tokens share a block)."""
@@ -515,13 +526,13 @@ if _triton.HAVE_TRITON:
             kv_off = ((b * T + pos[:, None]) * K + kh) * H + h[None, :]
             k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
             v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k)) * scale
+            s = _dot(q, tl.trans(k), IEEE) * scale
             p = tl.where(rvalid[:, None] & kvalid[None, :], tl.exp(s - lse[:, None]), 0.0)
-            dp = tl.dot(do, tl.trans(v))
+            dp = _dot(do, tl.trans(v), IEEE)
             ds = p * (dp - delta[:, None])
-            dq += tl.dot(ds.to(k.dtype), k)
-            tl.atomic_add(dv_ptr + kv_off, tl.dot(tl.trans(p).to(do.dtype), do), mask=kv_mask)
-            tl.atomic_add(dk_ptr + kv_off, tl.dot(tl.trans(ds).to(q.dtype), q) * scale, mask=kv_mask)
+            dq += _dot(ds.to(k.dtype), k, IEEE)
+            tl.atomic_add(dv_ptr + kv_off, _dot(tl.trans(p).to(do.dtype), do, IEEE), mask=kv_mask)
+            tl.atomic_add(dk_ptr + kv_off, _dot(tl.trans(ds).to(q.dtype), q, IEEE) * scale, mask=kv_mask)
         tl.store(dq_ptr + q_off, dq * scale, mask=qmask)
 
 
@@ -536,14 +547,14 @@ class _CmpStatic(NamedTuple):
     scale: float
 
 
-def _cmp_launch_sizes(T, Tc, H):
-    return dict(BLOCK_H=_pow2(H), BLOCK_M=min(64, _pow2(T)), BLOCK_C=min(64, _pow2(Tc)))
+def _cmp_launch_sizes(T, Tc, H, dtype):
+    return dict(BLOCK_H=_pow2(H), BLOCK_M=min(64, _pow2(T)), BLOCK_C=min(64, _pow2(Tc)), IEEE=bool(dtype == jnp.float32))
 
 
 def _cmp_fwd(q, k_cmp, v_cmp, st: _CmpStatic):
     B, T, N, H = q.shape
     Tc, K = k_cmp.shape[1], k_cmp.shape[2]
-    blocks = _cmp_launch_sizes(T, Tc, H)
+    blocks = _cmp_launch_sizes(T, Tc, H, q.dtype)
     return _triton.triton_call(
         q, k_cmp, v_cmp, T, Tc, N, K, st.scale,
         kernel=_cmp_fwd_kernel,
@@ -572,7 +583,7 @@ def _cmp_attention_bwd(st, res, cts):
     # d lse / d s = p, so an lse cotangent enters exactly like -delta.
     delta = jnp.sum(do * o, axis=-1) - dlse
     do = do.astype(q.dtype)
-    blocks = _cmp_launch_sizes(T, Tc, H)
+    blocks = _cmp_launch_sizes(T, Tc, H, q.dtype)
     common = dict(R=N // K, L=st.block_len, D=st.stride, H=H, **blocks)
     args = (q, k_cmp, v_cmp, do, lse, delta, T, Tc, N, K, st.scale)
     dq = _triton.triton_call(
@@ -595,8 +606,8 @@ class _SlcStatic(NamedTuple):
     scale: float
 
 
-def _slc_launch_sizes(R, LS, H):
-    return dict(BLOCK_R=_pow2(R), BLOCK_S=_pow2(LS), BLOCK_H=_pow2(H))
+def _slc_launch_sizes(R, LS, H, dtype):
+    return dict(BLOCK_R=_pow2(R), BLOCK_S=_pow2(LS), BLOCK_H=_pow2(H), IEEE=bool(dtype == jnp.float32))
 
 
 def _slc_fwd(q, k, v, idx, st: _SlcStatic):
@@ -607,7 +618,7 @@ def _slc_fwd(q, k, v, idx, st: _SlcStatic):
         kernel=_slc_fwd_kernel,
         out_shape=(jax.ShapeDtypeStruct((B, T, N, H), jnp.float32), jax.ShapeDtypeStruct((B, T, N), jnp.float32)),
         grid=(T, B * K),
-        R=N // K, LS=st.select_size, NSEL=nsel, H=H, **_slc_launch_sizes(N // K, st.select_size, H),
+        R=N // K, LS=st.select_size, NSEL=nsel, H=H, **_slc_launch_sizes(N // K, st.select_size, H, q.dtype),
     )
 
 
@@ -636,7 +647,7 @@ def _slc_attention_bwd(st, res, do):
             jax.ShapeDtypeStruct(v.shape, jnp.float32),
         ),
         grid=(T, B * K),
-        R=N // K, LS=st.select_size, NSEL=nsel, H=H, **_slc_launch_sizes(N // K, st.select_size, H),
+        R=N // K, LS=st.select_size, NSEL=nsel, H=H, **_slc_launch_sizes(N // K, st.select_size, H, q.dtype),
     )
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 

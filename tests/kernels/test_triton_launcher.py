@@ -38,7 +38,8 @@ if _triton.HAVE_TRITON:
         tl.atomic_add(sum_ptr, tl.sum(tl.where(m, out, 0.0), axis=0))
 
     @_triton.triton.jit
-    def _matmul_kernel(a_ptr, b_ptr, M, N, K, c_ptr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    def _matmul_kernel(a_ptr, b_ptr, M, N, K, c_ptr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                       IEEE: tl.constexpr):
         pm, pn = tl.program_id(0), tl.program_id(1)
         rm = pm * BM + tl.arange(0, BM)
         rn = pn * BN + tl.arange(0, BN)
@@ -47,7 +48,10 @@ if _triton.HAVE_TRITON:
             rk = k0 + tl.arange(0, BK)
             a = tl.load(a_ptr + rm[:, None] * K + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
             b = tl.load(b_ptr + rk[:, None] * N + rn[None, :], mask=(rk[:, None] < K) & (rn[None, :] < N), other=0.0)
-            acc += tl.dot(a, b)
+            if IEEE:  # float32 products (a GPU's default for float32 inputs is TF32)
+                acc += tl.dot(a, b, input_precision="ieee")
+            else:
+                acc += tl.dot(a, b)
         tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
@@ -86,7 +90,7 @@ def test_matmul_matches_numpy(M, N, K, dtype, tol):
         kernel=_matmul_kernel,
         out_shape=jax.ShapeDtypeStruct((M, N), jnp.float32),
         grid=(_triton.cdiv(M, 32), _triton.cdiv(N, 32)),
-        BM=32, BN=32, BK=16,
+        BM=32, BN=32, BK=16, IEEE=dtype == np.float32,
     )
     want = a.astype(np.float64) @ b.astype(np.float64)
     np.testing.assert_allclose(np.asarray(c), want, rtol=tol, atol=tol * np.sqrt(K))
