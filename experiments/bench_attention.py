@@ -25,7 +25,11 @@ Each variant is compiled once (XLA's memory analysis gives its temporary bytes, 
 column), warmed up, then all variants of one length are called round-robin for `--repeats`
 rounds so that load from elsewhere on the machine falls on all alike; the median is reported and
 every ratio is against `dense` (or `prefill_dense`) of the same length in the same run. Variants
-whose dense score matrix would exceed `--max_dense_bytes` are skipped and marked so. Prints a
+whose dense score matrix would exceed `--max_dense_bytes` are skipped and marked so (XLA's dense
+variants only: cuDNN's fused attention never forms the matrix); on a GPU every row also gets its
+ratio against cuDNN's dense attention ("vs cudnn"). Calls shorter than 20 ms are repeated within
+a round and averaged (bench_util.time_round_robin), so GPU timings are the device's, not the
+host's dispatch overhead. Prints a
 table, writes JSON and a log-log PNG of time and memory vs length. The Triton face runs compiled
 on a CUDA GPU and in the Triton interpreter elsewhere (`kernels._triton.configure()`, called first).
 """
@@ -40,7 +44,7 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags
 
-from experiments.bench_util import compile_variant, time_round_robin
+from experiments.bench_util import time_round_robin, try_compile
 from experiments.cli import output_paths
 from kernels import _triton, flash, nsa, squid
 
@@ -59,7 +63,8 @@ _MODES = flags.DEFINE_list("modes", ["fwd", "fwdbwd"], "fwd and/or fwdbwd (value
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "Input dtype.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed rounds (median reported).")
 _MAX_DENSE_BYTES = flags.DEFINE_float(
-    "max_dense_bytes", 6e9, "Skip a dense variant whose [B,N,T,T] float32 scores exceed this (x3 with backward)."
+    "max_dense_bytes", 6e9,
+    "Skip an XLA dense variant whose [B,N,T,T] float32 scores exceed this (x3 with backward); cuDNN's never forms them."
 )
 _QUICK = flags.DEFINE_bool("quick", False, "Lengths 512,1024 (unless --lengths is given), short documents, 2 rounds.")
 _OUT = flags.DEFINE_string("out", None, "JSON path (default results/bench_attention.json; _quick with --quick).")
@@ -146,14 +151,16 @@ def bench_length(T: int, shape: dict, impls, variants, modes, dtype, repeats, ma
                     continue
                 row = dict(T=T, variant=name if impl == "xla" else f"{name}_{impl}", op=name, impl=impl, mode=mode)
                 Tq = T + shape["global_len"] if name == "prefill_dense" else T
-                if name in ("dense", "prefill_dense") and _dense_bytes(shape["B"], shape["N"], Tq, mode) > max_dense_bytes:
+                if impl == "xla" and name in ("dense", "prefill_dense") and _dense_bytes(shape["B"], shape["N"], Tq, mode) > max_dense_bytes:
                     rows.append(dict(row, skipped="dense scores exceed --max_dense_bytes"))
                     continue
                 fn, args = made
-                jax.block_until_ready(args)
-                compiled, compile_s, temp = compile_variant(fn, args, mode)
-                jax.block_until_ready(compiled(*args))  # warm-up
-                entries.append((dict(row, compile_s=compile_s, temp_bytes=temp), compiled, args))
+                row, compiled, _ = try_compile(row, fn, args, mode)  # + warm-up
+                if compiled is None:
+                    print(f"  {row['variant']} {mode}: failed: {row['failed']}", flush=True)
+                    rows.append(row)
+                    continue
+                entries.append((row, compiled, args))
     time_round_robin(entries, repeats)
     rows += [row for row, _, _ in entries]
     # Ratios against the baseline of the same length and mode, from this run.
@@ -163,22 +170,28 @@ def bench_length(T: int, shape: dict, impls, variants, modes, dtype, repeats, ma
         base_name = "prefill_dense" if row["op"].startswith("prefill") else "dense"
         base = next((b for b in rows if b["variant"] == base_name and b["mode"] == row["mode"] and "median_s" in b), None)
         row["speedup_vs_dense"] = None if base is None else base["median_s"] / row["median_s"]
+        # On a GPU, also against cuDNN's fused attention (the fastest dense alternative there).
+        cudnn = next((b for b in rows if b["variant"] == f"{base_name}_cudnn" and b["mode"] == row["mode"] and "median_s" in b), None)
+        if cudnn is not None:
+            row["speedup_vs_cudnn"] = cudnn["median_s"] / row["median_s"]
         if base is not None and base.get("temp_bytes") and row.get("temp_bytes"):
             row["memory_ratio_vs_dense"] = base["temp_bytes"] / row["temp_bytes"]
     return rows
 
 
 def print_table(rows):
-    print(f"{'T':>6} {'mode':>6} {'variant':<20} {'median s':>10} {'vs dense':>9} {'temp MiB':>10} {'compile s':>9}")
+    print(f"{'T':>6} {'mode':>6} {'variant':<20} {'median ms':>10} {'vs dense':>9} {'vs cudnn':>9} {'temp MiB':>10} {'compile s':>9}")
     for r in rows:
-        if "skipped" in r:
-            print(f"{r['T']:>6} {r['mode']:>6} {r['variant']:<20} {'skipped: ' + r['skipped']}")
+        if "skipped" in r or "failed" in r:
+            what = "failed: " + r["failed"] if "failed" in r else "skipped: " + r["skipped"]
+            print(f"{r['T']:>6} {r['mode']:>6} {r['variant']:<20} {what}")
             continue
-        sp = r.get("speedup_vs_dense")
+        sp, cu = r.get("speedup_vs_dense"), r.get("speedup_vs_cudnn")
         mem = r.get("temp_bytes")
         print(
-            f"{r['T']:>6} {r['mode']:>6} {r['variant']:<20} {r['median_s']:>10.4f} "
-            f"{(f'{sp:.2f}x' if sp else '-'):>9} {(f'{mem / 2**20:.1f}' if mem is not None else '-'):>10} {r['compile_s']:>9.1f}"
+            f"{r['T']:>6} {r['mode']:>6} {r['variant']:<20} {r['median_s'] * 1e3:>10.3f} "
+            f"{(f'{sp:.2f}x' if sp else '-'):>9} {(f'{cu:.2f}x' if cu else '-'):>9} "
+            f"{(f'{mem / 2**20:.1f}' if mem is not None else '-'):>10} {r['compile_s']:>9.1f}"
         )
 
 
@@ -237,26 +250,32 @@ def main(argv):
     out, png = output_paths("bench_attention", quick, _OUT.value, _PNG.value)
     dtype = jnp.dtype(_DTYPE.value)
     rows = []
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    record = dict(
+        backend=jax.default_backend(),
+        device=str(jax.devices()[0].device_kind),
+        jax=jax.__version__,
+        shape=shape,
+        dtype=_DTYPE.value,
+        nsa=NSA_DEFAULTS,
+        repeats=repeats,
+        lengths=lengths,
+        rows=rows,
+    )
     for T in lengths:
         print(f"T={T}: compiling and timing ...", flush=True)
         doc_shape = dict(shape, doc_len=min(shape["doc_len"], T))
         new = bench_length(T, doc_shape, _IMPLS.value, _VARIANTS.value, _MODES.value, dtype, repeats, _MAX_DENSE_BYTES.value)
         print_table(new)
         rows += new
+        # Written after every length: a run stopped at a long length keeps the shorter ones.
+        record["completed_lengths"] = sorted({r["T"] for r in rows})
+        tmp = out + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(record, f, indent=1)
+        os.replace(tmp, out)
     print("\nsummary")
     print_table(rows)
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    record = dict(
-        backend=jax.default_backend(),
-        device=str(jax.devices()[0].device_kind),
-        shape=shape,
-        dtype=_DTYPE.value,
-        nsa=NSA_DEFAULTS,
-        repeats=repeats,
-        rows=rows,
-    )
-    with open(out, "w") as f:
-        json.dump(record, f, indent=1)
     plot(rows, png)
     print(f"wrote {out} and {png}")
 

@@ -51,10 +51,12 @@ slow for these sizes, so they are timed only when --impls names triton (the choi
 Timing (as experiments/bench_attention.py): each variant is compiled once (XLA's memory analysis
 gives its temporary bytes, the "temp MiB" column; a variant above --max_temp_bytes is skipped and
 marked), warmed up, then all variants of a section are called round-robin for --repeats rounds so
-that load from elsewhere on the machine falls on all alike; the median is reported and every ratio
-is against the section's baseline measured in the same run ("vs base" = baseline median /
-variant median, > 1 is faster; the quantiser's note also gives the GB/s ratio, which differs
-because the two move different byte counts). Prints a table, writes JSON and a PNG of bar charts
+that load from elsewhere on the machine falls on all alike (calls under 20 ms are repeated within a
+round and averaged, so GPU timings are the device's, not the host's dispatch overhead); a
+variant that fails to compile or run is reported as failed and the others go on; the median is
+reported and every ratio is against the section's baseline measured in the same run ("vs base" =
+baseline median / variant median, > 1 is faster; the quantiser's note also gives the GB/s ratio,
+which differs because the two move different byte counts). Prints a table, writes JSON and a PNG of bar charts
 (dispatch time and memory, precision time, quantiser GB/s).
 
 The dropless and precision rows measure whatever engine `kernels.moe_gemm`'s XLA face uses on
@@ -79,7 +81,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from experiments.bench_util import compile_variant, time_round_robin
+from experiments.bench_util import time_round_robin, try_compile
 from experiments.cli import output_paths
 from kernels import _triton, moe_gemm, mxfp8
 from rlcode.models import moe
@@ -233,14 +235,11 @@ def run_section(specs, repeats, max_temp_bytes):
     """specs: (row, fn, args, mode, argnums). Compile, warm up, time round-robin; rows + fwd outputs."""
     rows, entries, outputs = [], [], {}
     for row, fn, args, mode, argnums in specs:
-        jax.block_until_ready(args)
-        compiled, compile_s, temp = compile_variant(fn, args, mode, argnums)
-        row = dict(row, compile_s=compile_s, temp_bytes=temp)
+        row, compiled, out = try_compile(row, fn, args, mode, argnums, max_temp_bytes)  # + warm-up
         rows.append(row)
-        if temp is not None and temp > max_temp_bytes:
-            row["skipped"] = f"XLA temp {temp / 2**20:,.0f} MiB exceeds --max_temp_bytes"
+        if compiled is None:
+            print(f"  {row['variant']} {mode}: {row.get('failed') or row['skipped']}", flush=True)
             continue
-        out = jax.block_until_ready(compiled(*args))  # warm-up
         if mode == "fwd":
             outputs[row["variant"]] = out
         else:
@@ -348,18 +347,18 @@ def bench_quantize(quant_shape, dtypes, impls, repeats, max_temp_bytes, seed):
 
 
 def print_table(rows):
-    print(f"{'section':<10} {'mode':>6} {'dtype':>8} {'variant':<18} {'median s':>10} {'vs base':>8} "
+    print(f"{'section':<10} {'mode':>6} {'dtype':>8} {'variant':<18} {'median ms':>10} {'vs base':>8} "
           f"{'temp MiB':>9} {'compile s':>9}  note")
     for r in rows:
         head = f"{r['section']:<10} {r['mode']:>6} {r['dtype']:>8} {r['variant']:<18}"
-        if "skipped" in r:
-            print(f"{head} skipped: {r['skipped']}")
+        if "skipped" in r or "failed" in r:
+            print(f"{head} {'failed: ' + r['failed'] if 'failed' in r else 'skipped: ' + r['skipped']}")
             continue
         sp, mem = r.get("speedup_vs_baseline"), r.get("temp_bytes")
         note = f"{r['gb_s']:.2f} GB/s ({r['bandwidth_ratio_vs_copy']:.2f}x copy)" if "gb_s" in r else ""
         if r.get("variant") == r.get("baseline"):
             note = (note + " " if note else "") + "(baseline)"
-        print(f"{head} {r['median_s']:>10.4f} {(f'{sp:.2f}x' if sp else '-'):>8} "
+        print(f"{head} {r['median_s'] * 1e3:>10.3f} {(f'{sp:.2f}x' if sp else '-'):>8} "
               f"{(f'{mem / 2**20:.1f}' if mem is not None else '-'):>9} {r['compile_s']:>9.1f}  {note}")
 
 
