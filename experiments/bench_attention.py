@@ -197,33 +197,51 @@ def print_table(rows):
 
 def plot(rows, path, backend=None):
     """Draw the figure of `rows` (the JSON's rows) into the PNG `path`; `backend` names the machine
-    in the title (default: this process's JAX backend; pass the JSON's `backend` to redraw a logged run)."""
+    in the title (default: this process's JAX backend; pass the JSON's `backend` to redraw a logged run).
+
+    Three panels: forward time, forward + backward time, and XLA's temporary memory (solid
+    forward, dashed forward + backward). One colour per op (dense, flash, NSA, squid, the two
+    prefill cases), one line style and marker per face (XLA, Triton, cuDNN), and one legend under
+    the panels, so a run with every face stays readable."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    variants = sorted({r["variant"] for r in rows if "median_s" in r})
-    for mode, style in (("fwd", "-"), ("fwdbwd", "--")):
-        for i, v in enumerate(variants):
-            pts = sorted((r["T"], r["median_s"], r.get("temp_bytes")) for r in rows if r["variant"] == v and r["mode"] == mode and "median_s" in r)
-            if not pts:
-                continue
-            color = f"C{i}"
-            axes[0].plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", color=color, label=f"{v} {mode}")
-            mem = [(p[0], p[2]) for p in pts if p[2]]
-            if mem:
-                axes[1].plot([m[0] for m in mem], [m[1] / 2**20 for m in mem], style, marker="o", color=color, label=f"{v} {mode}")
-    for ax, label in zip(axes, ("median time (s)", "XLA temporary memory (MiB)")):
+    ops = list(dict.fromkeys(r["op"] for r in rows if "median_s" in r))
+    color = {op: f"C{i}" for i, op in enumerate(ops)}
+    face = {"xla": ("-", "o"), "triton": ("--", "s"), "cudnn": (":", "^")}
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.8))
+    for r_op in ops:
+        for impl, (style, marker) in face.items():
+            for mode, ax in (("fwd", axes[0]), ("fwdbwd", axes[1])):
+                pts = sorted((r["T"], r["median_s"], r.get("temp_bytes")) for r in rows
+                             if r["op"] == r_op and r["impl"] == impl and r["mode"] == mode and "median_s" in r)
+                if not pts:
+                    continue
+                ax.plot([p[0] for p in pts], [p[1] * 1e3 for p in pts], style, marker=marker, color=color[r_op])
+                mem = [(p[0], p[2]) for p in pts if p[2]]
+                if mem:
+                    axes[2].plot([m[0] for m in mem], [m[1] / 2**20 for m in mem], "-" if mode == "fwd" else "--",
+                                 marker=marker, color=color[r_op], alpha=0.8)
+    titles = ("forward", "forward + backward", "XLA temporary memory (solid fwd, dashed fwd+bwd)")
+    for ax, label, title in zip(axes, ("median time (ms)", "median time (ms)", "MiB"), titles):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("sequence length T (prefill: document tokens)")
         ax.set_ylabel(label)
+        ax.set_title(title, fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
-    axes[0].legend(fontsize=7)
-    fig.suptitle(f"attention on {backend or jax.default_backend()}: dense vs NSA vs squid (solid fwd, dashed fwd+bwd)")
-    fig.tight_layout()
+    impls = [i for i in face if any(r["impl"] == i and "median_s" in r for r in rows)]
+    handles = [Line2D([], [], color=color[op], lw=2.5, label=op) for op in ops]
+    handles += [Line2D([], [], color="0.3", linestyle=face[i][0], marker=face[i][1], label=f"face: {i}") for i in impls]
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
+    failed = sorted({f"{r['variant']} {r['mode']} T={r['T']}" for r in rows if "failed" in r})
+    note = f"not run (failed): {', '.join(failed)}" if failed else ""
+    fig.suptitle(f"attention on {backend or jax.default_backend()}: dense vs flash vs NSA vs squid; "
+                 "medians of round-robin rounds" + (f"\n{note}" if note else ""), fontsize=10)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=90)
     plt.close(fig)
 

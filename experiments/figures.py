@@ -86,6 +86,9 @@ PLOT_PRETRAIN = _plot_training_command(
     ["runs/pretrain_code"], "train/bpb:20,heldout/bpb,throughput/train_tokens_per_s:20",
     "docs/figures/pretrain_code.png", "Pretraining the code base (3.1M parameters, 8,192-token BPE)", PRETRAIN)
 
+# The GPU results: the kernel tests and both benchmarks on a CUDA machine, then a deliberate publish.
+GPU_CHECK = "bash experiments/gpu_check.sh <run dir> && python -m experiments.gpu_report <run dir> --publish"
+
 # The command that writes each data file (the skip message's "produce it with").
 PRODUCERS = {
     "docs/figures/grpo_synth.json": PLOT_SYNC,
@@ -98,6 +101,8 @@ PRODUCERS = {
     "results/moe_precision_seed1.json": MOE_PRECISION[1],
     "results/moe_precision_seed2.json": MOE_PRECISION[2],
     "results/bench_moe.json": "python -m experiments.bench_moe",
+    "results/gpu_bench_attention.json": GPU_CHECK,
+    "results/gpu_bench_moe.json": GPU_CHECK,
     "results/bench_sandbox.json": "python -m experiments.bench_sandbox",
     "results/hack_suite.json": "python -m experiments.hack_suite",
     "docs/figures/pretrain_code.json": PLOT_PRETRAIN,
@@ -455,6 +460,33 @@ def bench_attention_notes(data: dict) -> str:
             "same length.")
 
 
+def _gpu_tests_line(data: dict) -> str:
+    tests = data.get("results/gpu_kernel_tests.json")
+    if not tests:
+        return ""
+    c = tests["counts"]
+    return (f" Kernel tests on the same machine (results/gpu_kernel_tests.json): {c['passed']} passed, "
+            f"{c['failed'] + c['error']} failed, {c['skipped']} skipped.")
+
+
+def gpu_bench_attention_notes(data: dict) -> str:
+    d = data["results/gpu_bench_attention.json"]
+    rows = [r for r in d["rows"] if "median_s" in r]
+    lines = ["| T | pass | variant | median ms | vs XLA dense | vs cuDNN dense |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        sp, cu = r.get("speedup_vs_dense"), r.get("speedup_vs_cudnn")
+        lines.append(f"| {r['T']} | {r['mode']} | {r['variant']} | {r['median_s'] * 1e3:.3f} | "
+                     f"{f'{sp:.2f}x' if sp else '-'} | {f'{cu:.2f}x' if cu else '-'} |")
+    failed = [f"{r['variant']} {r['mode']} T={r['T']}: {r['failed']}" for r in d["rows"] if "failed" in r]
+    return (f"Device {d['device']} (jax {d.get('jax')}), {d['dtype']}, shape {d['shape']}, NSA {d['nsa']}, median of "
+            f"{d['repeats']} round-robin rounds." + _gpu_tests_line(data) + "\n\n" + "\n".join(lines)
+            + ("\n\nFailed: " + "; ".join(failed) if failed else ""))
+
+
+def gpu_bench_moe_notes(data: dict) -> str:
+    return bench_moe_notes({"results/bench_moe.json": data["results/gpu_bench_moe.json"]}) + _gpu_tests_line(data)
+
+
 def bench_moe_notes(data: dict) -> str:
     d = data["results/bench_moe.json"]
     disp = d.get("dispatch", {})
@@ -553,6 +585,23 @@ FIGURES: dict[str, FigureSpec] = {f.name: f for f in (
         "MoE layer speed: one-hot einsum vs dropless grouped GEMM vs capacity dispatch (time and memory), MXFP8 vs "
         "bf16 grouped GEMM, and the MXFP8 quantiser's bandwidth against a plain copy.",
         ("python -m experiments.bench_moe",), notes=bench_moe_notes),
+    FigureSpec(
+        "gpu_bench_attention", ("results/gpu_bench_attention.json",),
+        lambda d, out: script("bench_attention").plot(
+            d["results/gpu_bench_attention.json"]["rows"], out,
+            backend=f"{d['results/gpu_bench_attention.json']['device']} (gpu)"),
+        "Attention on one GPU: XLA vs Triton vs cuDNN faces of dense, flash, NSA and squid attention up to 64k tokens "
+        "(bf16, one sequence, 4 query heads, 1 key/value head, head dim 64; squid over 1,024-token documents), forward "
+        "and forward + backward time, and XLA's temporary memory. XLA's dense attention did not run at 64k (its "
+        "autotuner reported that every configuration failed, with a [4, 64k, 64k] score matrix to form).",
+        (GPU_CHECK,), extra=("results/gpu_kernel_tests.json",), notes=gpu_bench_attention_notes),
+    FigureSpec(
+        "gpu_bench_moe", ("results/gpu_bench_moe.json",),
+        lambda d, out: script("bench_moe").plot(d["results/gpu_bench_moe.json"]["rows"], out,
+                                                backend=f"{d['results/gpu_bench_moe.json']['device']} (gpu)"),
+        "MoE layer on one GPU (bf16): dispatch variants with the XLA and Triton grouped GEMMs, MXFP8 vs bf16 grouped "
+        "GEMM (XLA emulation and Triton), and the MXFP8 quantiser's bandwidth against a copy of the same array.",
+        (GPU_CHECK,), extra=("results/gpu_kernel_tests.json",), notes=gpu_bench_moe_notes),
     FigureSpec(
         "bench_sandbox", ("results/bench_sandbox.json",),
         lambda d, out: script("bench_sandbox").plot(d["results/bench_sandbox.json"]["rows"], out),

@@ -10,12 +10,13 @@
 # 3. experiments.bench_moe: XLA and Triton faces, bf16, the default sizes.
 #
 # STAGES (environment) selects a subset of the three. Each stage has its own time limit (seconds,
-# from the environment: TESTS_S, ATTENTION_S, MOE_S)
-# so a stage that hangs or runs long cannot starve the others; each writes its log, and the
-# benchmarks their JSON (bench_attention after every length), into OUT_DIR (the figures into
-# FIGURES_DIR, default OUT_DIR); stages.log has the environment and each stage's exit status.
-# The exit status is that of the first stage that failed (0 when all passed). Results stay in OUT_DIR: publishing
-# them under results/ is a separate, deliberate copy.
+# from the environment: TESTS_S, ATTENTION_S, MOE_S) so a stage that hangs or runs long cannot
+# starve the others; each writes its log, and the benchmarks their JSON (bench_attention after
+# every length), into OUT_DIR (the figures into FIGURES_DIR, default OUT_DIR); stages.log has the
+# environment and each stage's exit status.
+# The exit status is that of the first stage that failed (0 when all passed). Results stay in
+# OUT_DIR (the kernel tests also summarised as gpu_kernel_tests.json); publishing them is a
+# separate, deliberate step: python -m experiments.gpu_report OUT_DIR --publish.
 set -uo pipefail
 out=${1:?usage: bash experiments/gpu_check.sh OUT_DIR}
 mkdir -p "$out"
@@ -67,4 +68,7 @@ stage bench_attention "${ATTENTION_S:-200}" python3 -m experiments.bench_attenti
     --out="$out/gpu_bench_attention.json" --png="$figures/gpu_bench_attention.png"
 stage bench_moe "${MOE_S:-110}" python3 -m experiments.bench_moe --impls=xla,triton --dtype=bfloat16 --repeats=5 \
     --out="$out/gpu_bench_moe.json" --png="$figures/gpu_bench_moe.png"
+if [ -f "$out/kernel_tests.xml" ]; then
+    python3 -m experiments.gpu_report "$out" | tee -a "$out/stages.log"  # -> gpu_kernel_tests.json
+fi
 exit $status

@@ -150,3 +150,39 @@ def test_interpretation_is_the_configured_choice():
             _triton.configure(interpret="yes")
     finally:
         _triton.configure(interpret=before)
+
+
+def test_compiled_launch_passes_floats_as_float32_and_maps_vmap_to_one_launch_per_row(monkeypatch):
+    """The jax-triton path (GPU only) checked on any machine with a stand-in for jax_triton that
+    records what it is given: a Python float reaches it as float32 (jax-triton would make it a
+    float64 kernel parameter), integers and bools unchanged, and under vmap it is called with one
+    row at a time (jax-triton itself refuses vmap)."""
+    import types
+
+    seen = []
+
+    def fake_triton_call(*args, kernel, out_shape, grid, num_warps, num_stages, zeroed_outputs, **constexprs):
+        seen.append(dict(types=[type(a) for a in args], shapes=[getattr(a, "shape", None) for a in args],
+                         zeroed=zeroed_outputs, constexprs=constexprs))
+        alpha = float(args[2])
+        # A callback without a batching rule, like jax-triton's primitive: vmap of it is an error.
+        host = lambda x: (np.asarray(x) * np.float32(alpha), np.asarray(x).sum(keepdims=True).astype(np.float32))
+        return list(jax.pure_callback(host, tuple(out_shape), args[0]))
+
+    monkeypatch.setitem(sys.modules, "jax_triton", types.SimpleNamespace(triton_call=fake_triton_call))
+    outs = [jax.ShapeDtypeStruct((4,), jnp.float32), jax.ShapeDtypeStruct((1,), jnp.float32)]
+
+    def launch(x):
+        return _triton._call_compiled((x, 4, 2.5, True), "kernel", outs, (1,), 4, 2, {"BLOCK": 4})
+
+    x = jnp.arange(4, dtype=jnp.float32)
+    y, total = launch(x)
+    np.testing.assert_allclose(np.asarray(y), 2.5 * np.arange(4))
+    assert seen[0]["types"][1:] == [int, np.float32, bool] and seen[0]["zeroed"] == (0, 1)
+    assert seen[0]["constexprs"] == {"BLOCK": 4}
+    seen.clear()
+    xs = jnp.arange(12, dtype=jnp.float32).reshape(3, 4)
+    ys, totals = jax.jit(jax.vmap(launch))(xs)
+    np.testing.assert_allclose(np.asarray(ys), 2.5 * np.asarray(xs))
+    np.testing.assert_allclose(np.asarray(totals)[:, 0], np.asarray(xs).sum(1))
+    assert seen and all(s["shapes"][0] == (4,) for s in seen)  # traced per row, never with the batch axis
