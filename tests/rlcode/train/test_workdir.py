@@ -13,14 +13,19 @@ def test_a_run_saved_before_fields_were_added_resumes_with_their_neutral_values(
 
     new = json.loads(json.dumps(tiny_job.tiny_config(tmp_path).to_dict(), default=list))
     flat = flatten(new)
-    spec = importlib.util.spec_from_file_location("agent_repo", os.path.join(tiny_job.ROOT, "configs", "agent_repo.py"))
-    agent_config = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(agent_config)
-    agent = flatten(json.loads(json.dumps(agent_config.get_config().to_dict(), default=list)))
-    # The table holds the configs' own defaults: the values that compute what older runs computed.
+
+    def job_config(name):
+        spec = importlib.util.spec_from_file_location(name, os.path.join(tiny_job.ROOT, "configs", f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return flatten(json.loads(json.dumps(module.get_config().to_dict(), default=list)))
+
+    agent, pretrain = job_config("agent_repo"), job_config("pretrain_code")
+    # The table holds the configs' own defaults: the values that compute what older runs computed
+    # (the pretraining job's own fields from its config; the RL jobs' from theirs).
     for key, value in workdir.ADDED_FIELDS.items():
-        assert key in flat or key in agent, key
-        for config in (flat, agent):
+        assert key in flat or key in agent or key in pretrain, key
+        for config in (flat, agent) if key in flat or key in agent else (pretrain,):
             if key in config:
                 assert workdir._same(config[key], value), (key, config[key])
     old = json.loads(json.dumps(new))
