@@ -45,8 +45,10 @@ goes on (the exit status is then 1). Ctrl-C (or SIGTERM) stops the current run w
 and exits with status 130. ``--dry_run`` prints the commands; ``--table_only`` rebuilds the table
 and figure from the run directories without running anything.
 
-Writes (``--results_dir`` / ``--fig_dir`` change the directories; with only ``--results_dir``
-the PNG goes next to the JSON, see `experiments.cli.output_paths`):
+Writes into the runs' directory (``--out_dir``, default runs/ablate/<name>/) by default, so a
+trial never replaces the committed tables; ``--publish`` writes results/ and docs/figures/ instead,
+``--results_dir`` / ``--fig_dir`` any other directories (the PNG next to the JSON unless
+``--fig_dir``; see `experiments.cli.output_paths`). With ``--publish``:
 
   results/ablate_<name>.json   the command, sweep, overrides, seeds; per run its label, variant,
                                seed, workdir, status, final metrics and curves ({tag: [[step,
@@ -852,8 +854,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--out_dir", default=None, help="default: runs/ablate/<name>")
     parser.add_argument("--metric", default=None, help="default: eval_fresh/pass@1 if logged, else eval/pass@1")
     parser.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD, help="for steps-to-threshold")
-    parser.add_argument("--results_dir", default=None, help="default: results")
-    parser.add_argument("--fig_dir", default=None, help="default: docs/figures (next to the JSON with --results_dir)")
+    parser.add_argument("--results_dir", default=None, help="default: the --out_dir of the runs")
+    parser.add_argument("--fig_dir", default=None, help="default: next to the JSON")
+    parser.add_argument("--publish", action="store_true",
+                        help="write the table and figure to results/ and docs/figures/ (the committed evidence)")
     parser.add_argument("--dry_run", action="store_true", help="print the commands, run nothing")
     parser.add_argument("--table_only", action="store_true", help="rebuild table and figure from the run directories")
     parser.add_argument("--train_module", default=TRAIN_MODULE, help=argparse.SUPPRESS)
@@ -904,9 +908,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     out_dir = args.out_dir or os.path.join("runs", "ablate", name)
     runs = make_runs(variants, args.seed_values, out_dir)
     results_name = f"ablate_{name}"
+    if args.publish and (args.results_dir or args.fig_dir):
+        print("error: --publish writes results/ and docs/figures/; drop --results_dir/--fig_dir (or --publish)",
+              file=sys.stderr)
+        return 2
     json_path, png_path = output_paths(
-        results_name, False, os.path.join(args.results_dir, results_name + ".json") if args.results_dir else None,
-        os.path.join(args.fig_dir, results_name + ".png") if args.fig_dir else None)
+        results_name, False,
+        None if args.publish else os.path.join(args.results_dir or out_dir, results_name + ".json"),
+        os.path.join(args.fig_dir, results_name + ".png") if args.fig_dir else None, args.publish)
     meta = {"command": recorded_command(argv), "config": args.config, "name": name, "out_dir": out_dir,
             "sweep": [a.describe() for a in axes],
             "overrides": {a.target: _jsonable(a.values[0]) for a in sets}, "seeds": args.seed_values}

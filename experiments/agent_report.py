@@ -1,12 +1,12 @@
 """Report of agent RL runs (configs/agent_repo.py): learning curves, prefill accounting, and the
 prefill cost of each sampler replayed on the same recorded episodes.
 
-    python -m experiments.agent_report --runs runs/agent_repo/seed0 --out results/agent_repo.json
+    python -m experiments.agent_report --runs runs/agent_repo/seed0 --publish   # results/agent_repo.json
     python -m experiments.agent_report --config configs/agent_repo.py --expert 4,8 --out runs/replay.json
 
 Reads only what the runs logged (`tb/metrics.jsonl`, `summary.json`, `config.json` and
 `episodes.jsonl`, the turns the sampler was asked to generate at every `log.record_every`-th
-step) and writes results/agent_repo.json:
+step) and writes runs/agent_repo/agent_repo.json (`--out`; results/agent_repo.json with `--publish`):
 
 * ``curves``: {tag: [[step, value], ...]} of the first run for eval_fresh/success, eval/success,
   rollout/success, the prefill token counts per step of the three samplers, the saved fraction,
@@ -37,6 +37,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
+from experiments.cli import PUBLISH_HELP, output_paths
 from rlcode.models.transformer import init_model
 from rlcode.tokenizer import ByteTokenizer
 from rlcode.envs import harness
@@ -164,7 +165,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--runs", default="", help="comma-separated run directories (the first is replayed)")
     p.add_argument("--config", default=None, help="instead of --runs: an agent config file whose scripted expert "
                    "is replayed (--expert), with no run")
-    p.add_argument("--out", default="results/agent_repo.json")
+    p.add_argument("--out", default=None, help="JSON path (default runs/agent_repo/agent_repo.json)")
+    p.add_argument("--publish", action="store_true", help=PUBLISH_HELP.replace("<name>", "agent_repo"))
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max_turn_sets", type=int, default=None, help="replay only the first N recorded steps")
     p.add_argument("--no_replay", action="store_true")
@@ -176,6 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("give --runs or --config")
     if a.config and not a.expert:
         p.error("--config replays the scripted expert only: add --expert P,G")
+    out, _ = output_paths("agent_repo", False, a.out, None, a.publish)  # the figure: experiments.figures
     data = {"command": "python -m experiments.agent_report " + " ".join(argv if argv is not None else sys.argv[1:])}
     if runs:
         per_run = [curves(r) for r in runs]
@@ -200,8 +203,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             pool.close()
         data["replay_expert"] = replay(None, a.rounds, None, recorded, cfg=cfg)
         data["replay_expert"]["tasks"], data["replay_expert"]["group"] = P, G
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
         json.dump(data, f, indent=1)
     for s in data["summary"]:
         print(json.dumps(s))
@@ -219,7 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"documents vs incremental: {r['speedup_vs_incremental']:.2f}x faster, "
               f"{100 * r['tokens_saved_vs_incremental']:.1f}% fewer tokens; vs full: {r['speedup_vs_full']:.2f}x, "
               f"{100 * r['tokens_saved_vs_full']:.1f}% fewer")
-    print(f"wrote {a.out}")
+    print(f"wrote {out}")
     return 0
 
 

@@ -1,7 +1,8 @@
 """Benchmark: dense vs NSA vs squid attention, forward and forward+backward, time and memory.
 
-    python -m experiments.bench_attention                  # CPU: T = 1k..16k -> results/bench_attention.json,
-                                                           #   docs/figures/bench_attention.png
+    python -m experiments.bench_attention                  # CPU: T = 1k..16k -> runs/bench_attention/
+    python -m experiments.bench_attention --publish        # the same into results/bench_attention.json and
+                                                           #   docs/figures/bench_attention.png (the README's)
     python -m experiments.bench_attention --quick          # small lengths, seconds
     python -m experiments.bench_attention --lengths=65536 --impls=xla,triton,cudnn   # on a GPU
 
@@ -45,7 +46,7 @@ import jax.numpy as jnp
 from absl import app, flags
 
 from experiments.bench_util import time_round_robin, try_compile
-from experiments.cli import output_paths
+from experiments.cli import PUBLISH_HELP, output_paths
 from kernels import _triton, flash, nsa, squid
 
 _LENGTHS = flags.DEFINE_list("lengths", ["1024", "2048", "4096", "8192", "16384"], "Sequence lengths T.")
@@ -67,10 +68,12 @@ _MAX_DENSE_BYTES = flags.DEFINE_float(
     "Skip an XLA dense variant whose [B,N,T,T] float32 scores exceed this (x3 with backward); cuDNN's never forms them."
 )
 _QUICK = flags.DEFINE_bool("quick", False, "Lengths 512,1024 (unless --lengths is given), short documents, 2 rounds.")
-_OUT = flags.DEFINE_string("out", None, "JSON path (default results/bench_attention.json; _quick with --quick).")
+_OUT = flags.DEFINE_string("out", None, "JSON path (default runs/bench_attention/bench_attention[_quick].json).")
 _PNG = flags.DEFINE_string(
-    "png", None, "PNG path (default docs/figures/bench_attention.png; next to the JSON with --quick or --out)."
+    "png", None, "PNG path (default: next to the JSON)."
 )
+_PUBLISH = flags.DEFINE_bool("publish", False, PUBLISH_HELP)
+
 
 NSA_DEFAULTS = dict(block_len=32, stride=16, select_size=64, num_select=16, window=512)
 
@@ -265,7 +268,7 @@ def main(argv):
     for T in lengths:
         if T % shape["doc_len"] and T > shape["doc_len"]:
             raise app.UsageError(f"length {T} is not a multiple of --doc_len={shape['doc_len']}")
-    out, png = output_paths("bench_attention", quick, _OUT.value, _PNG.value)
+    out, png = output_paths("bench_attention", quick, _OUT.value, _PNG.value, _PUBLISH.value)
     dtype = jnp.dtype(_DTYPE.value)
     rows = []
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)

@@ -34,6 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from experiments.cli import PUBLISH_HELP, output_paths
+
 from rlcode.models import logprobs as lp_lib
 
 _V = flags.DEFINE_integer("V", 32768, "Vocabulary size.")
@@ -50,8 +52,8 @@ _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed calls per variant (median r
 _WARMUP = flags.DEFINE_integer("warmup", 1, "Untimed calls per variant before timing.")
 _QUICK = flags.DEFINE_bool("quick", False, "Small shapes (V=4096, T=1024, B=4, D=128) for a fast check.")
 _OUT = flags.DEFINE_string(
-    "out", None, "JSON output path (default results/bench_logprobs.json, or ..._quick.json with --quick)."
-)
+    "out", None, "JSON output path (default runs/bench_logprobs/bench_logprobs[_quick].json).")
+_PUBLISH = flags.DEFINE_bool("publish", False, PUBLISH_HELP)
 _WORKER = flags.DEFINE_string("worker", None, "Internal: run one variant ('naive' or 'chunked:C'), print JSON.")
 
 ENTROPY_COEF = 0.01
@@ -246,6 +248,7 @@ def main(argv):
     if _WORKER.value:
         run_worker(_WORKER.value)
         return
+    out, _ = output_paths("bench_logprobs", _QUICK.value, _OUT.value, None, _PUBLISH.value)  # no figure
     shape = _shape()
     chunk_sizes = [int(c) for c in _CHUNK_SIZES.value]
     config = dict(
@@ -286,7 +289,6 @@ def main(argv):
         loadavg_1m_end=os.getloadavg()[0],
     )
     result = dict(config=config, machine=machine, results=rows, ratios=list(ratios.values()), summary=summary)
-    out = _OUT.value or ("results/bench_logprobs_quick.json" if _QUICK.value else "results/bench_logprobs.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(result, f, indent=2)

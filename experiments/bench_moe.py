@@ -1,8 +1,8 @@
 """Benchmark: MoE expert dispatch (dropless ragged vs one-hot einsum vs capacity scatter), MXFP8
 grouped GEMM vs bf16, and MXFP8 quantiser throughput; time and memory, all ratios from one run.
 
-    python -m experiments.bench_moe                  # CPU: E=64, k=2, N=8192, D=512, F=1024 ->
-                                                     #   results/bench_moe.json, docs/figures/bench_moe.png
+    python -m experiments.bench_moe                  # CPU: E=64, k=2, N=8192, D=512, F=1024 -> runs/bench_moe/
+    python -m experiments.bench_moe --publish        # the same into results/bench_moe.json, docs/figures/bench_moe.png
     python -m experiments.bench_moe --quick          # E=8, N=512, D=64, F=128, quantiser [512, 512]; seconds
     python -m experiments.bench_moe --impls=xla,triton   # on a GPU: also the Triton grouped GEMM and quantiser
 
@@ -82,7 +82,7 @@ import numpy as np
 from absl import app, flags
 
 from experiments.bench_util import time_round_robin, try_compile
-from experiments.cli import output_paths
+from experiments.cli import PUBLISH_HELP, output_paths
 from kernels import _triton, moe_gemm, mxfp8
 from rlcode.models import moe
 
@@ -106,8 +106,9 @@ _SEED = flags.DEFINE_integer("seed", 0, "Seed of the inputs.")
 _QUICK = flags.DEFINE_bool(
     "quick", False, "E=8, N=512, D=64, F=128, quantiser [512, 512], 2 rounds (unless given explicitly)."
 )
-_OUT = flags.DEFINE_string("out", None, "JSON path (default results/bench_moe.json; _quick with --quick).")
-_PNG = flags.DEFINE_string("png", None, "PNG path (default docs/figures/bench_moe.png; next to the JSON with --quick or --out).")
+_OUT = flags.DEFINE_string("out", None, "JSON path (default runs/bench_moe/bench_moe[_quick].json).")
+_PNG = flags.DEFINE_string("png", None, "PNG path (default: next to the JSON).")
+_PUBLISH = flags.DEFINE_bool("publish", False, PUBLISH_HELP)
 
 QUICK_SIZES = dict(E=8, N=512, D=64, F=128, quant_shape=["512", "512"])
 DISPATCH_BASELINE, PRECISION_BASELINE, QUANT_BASELINE = "onehot_einsum", "bf16", "copy"
@@ -465,7 +466,7 @@ def main(argv):
     quant_shape = tuple(int(v) for v in sizes["quant_shape"])
     if len(quant_shape) != 2 or quant_shape[1] % mxfp8.BLOCK:
         raise app.UsageError(f"--quant_shape must be R,C with C a multiple of {mxfp8.BLOCK}, got {quant_shape}")
-    out, png = output_paths("bench_moe", quick, _OUT.value, _PNG.value)
+    out, png = output_paths("bench_moe", quick, _OUT.value, _PNG.value, _PUBLISH.value)
 
     E, k, N, D, F = sizes["E"], _TOPK.value, sizes["N"], sizes["D"], sizes["F"]
     opts = moe.MoEOptions.from_config(moe.moe_config(

@@ -11,7 +11,8 @@
 
 Both pairs draw the same tokens (same per-row keys; checked here), so the comparison is of
 equal work. Times are medians of repeated runs after a compile/warm-up run, ratios are taken
-within one run. Prints a table and writes JSON (default results/bench_sampling.json).
+within one run. Prints a table and writes JSON (default runs/bench_sampling/bench_sampling.json;
+results/bench_sampling.json with --publish).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
+
+from experiments.cli import PUBLISH_HELP, output_paths
 from flax import nnx
 
 from rlcode import sampling
@@ -35,7 +38,8 @@ from rlcode.models.transformer import init_model, model_config
 
 _QUICK = flags.DEFINE_bool("quick", False, "Small sizes (smoke run).")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repeats per variant (median reported).")
-_OUT = flags.DEFINE_string("out", "results/bench_sampling.json", "Where to write the JSON results.")
+_OUT = flags.DEFINE_string("out", None, "Where to write the JSON results (default runs/bench_sampling/).")
+_PUBLISH = flags.DEFINE_bool("publish", False, PUBLISH_HELP)
 
 
 def bench_model_config(quick: bool):
@@ -84,6 +88,8 @@ def timed(fn, repeats):
 def main(argv):
     del argv
     quick, repeats = _QUICK.value, _REPEATS.value
+    out, _ = output_paths("bench_sampling", quick, _OUT.value, None, _PUBLISH.value)  # no figure
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     model = init_model(bench_model_config(quick), seed=0)
     graphdef, state = nnx.split(model)
     params = nnx.to_pure_dict(state)
@@ -137,10 +143,9 @@ def main(argv):
         "machine": platform.machine(),
         "jax": jax.__version__,
     }
-    os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)
-    with open(_OUT.value, "w") as f:
+    with open(out, "w") as f:
         json.dump(result, f, indent=2)
-    print(f"wrote {_OUT.value}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

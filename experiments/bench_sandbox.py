@@ -1,6 +1,7 @@
 """Benchmark: sandbox pool vs a fresh process per execution, same isolation.
 
-    python -m experiments.bench_sandbox            # full run, writes results/bench_sandbox.json
+    python -m experiments.bench_sandbox            # full run, writes runs/bench_sandbox/bench_sandbox.json
+    python -m experiments.bench_sandbox --publish  # the same into results/ and docs/figures/ (the README's)
     python -m experiments.bench_sandbox --quick    # a few seconds per cell
 
 Programs: `/bin/true` (argv), `python -c "print(1)"`, a small pytest file (two tests), and a shell
@@ -48,7 +49,7 @@ import time
 
 from absl import app, flags
 
-from experiments.cli import output_paths
+from experiments.cli import PUBLISH_HELP, output_paths
 from rlcode.sandbox import Limits, SandboxPool
 from rlcode.sandbox import _wire
 from rlcode.sandbox import cgroups as cg_lib
@@ -58,8 +59,9 @@ _QUICK = flags.DEFINE_bool("quick", False, "Few iterations per cell (seconds in 
 _WORKERS = flags.DEFINE_list("workers", ["1", "2"], "Concurrency levels (pool workers = client threads).")
 _CASES = flags.DEFINE_list("cases", ["true", "python", "pytest", "workdir"], "Programs to run.")
 _ROUNDS = flags.DEFINE_integer("rounds", 4, "Interleaved rounds per cell.")
-_OUT = flags.DEFINE_string("out", None, "JSON output (default results/bench_sandbox.json, _quick with --quick).")
-_PNG = flags.DEFINE_string("png", None, "PNG (default docs/figures/bench_sandbox.png; next to the JSON with --quick or --out).")
+_OUT = flags.DEFINE_string("out", None, "JSON output (default runs/bench_sandbox/bench_sandbox[_quick].json).")
+_PNG = flags.DEFINE_string("png", None, "PNG (default: next to the JSON).")
+_PUBLISH = flags.DEFINE_bool("publish", False, PUBLISH_HELP)
 
 LIMITS = Limits(cpu_seconds=20, wall_seconds=60, processes=64)
 TEST_FILE = "def test_add():\n    assert 1 + 1 == 2\n\n\ndef test_sort():\n    assert sorted([3, 1, 2]) == [1, 2, 3]\n"
@@ -284,7 +286,7 @@ def plot(rows, path):
 def main(argv):
     del argv
     quick = _QUICK.value
-    out_path, png = output_paths("bench_sandbox", quick, _OUT.value, _PNG.value)
+    out_path, png = output_paths("bench_sandbox", quick, _OUT.value, _PNG.value, _PUBLISH.value)
     workers = [int(w) for w in _WORKERS.value]
     import rlcode
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(rlcode.__file__)))

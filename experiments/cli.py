@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 # Config fields that are Python keywords cannot be addressed by config_flags (it parses the path
 # as Python); the command line accepts them under their keyword name.
@@ -18,14 +19,30 @@ def translate_aliases(argv: list[str]) -> list[str]:
     return out
 
 
-def output_paths(name: str, quick: bool, out: str | None, png: str | None) -> tuple[str, str]:
+PUBLISH_HELP = ("write the committed evidence (results/<name>.json, docs/figures/<name>.png) instead of the "
+                "run directory runs/<name>/; only a full run (not --quick, no --out/--png) can be published")
+
+
+def fail(message: str) -> None:
+    """A command-line error: one line on stderr, exit status 2 (no traceback)."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def output_paths(name: str, quick: bool, out: str | None, png: str | None, publish: bool = False) -> tuple[str, str]:
     """(JSON path, PNG path) of a benchmark or experiment script.
 
-    Defaults: results/<name>.json and docs/figures/<name>.png (the figure the README shows); with
-    --quick, results/<name>_quick.json; with --quick or an explicit --out, the PNG goes next to the
-    JSON so a trial run never replaces the committed figure."""
-    out = out or os.path.join("results", f"{name}_quick.json" if quick else f"{name}.json")
-    if png is None:
-        png = os.path.splitext(out)[0] + ".png" if quick or out != os.path.join("results", f"{name}.json") else (
-            os.path.join("docs", "figures", f"{name}.png"))
-    return out, png
+    By default a script writes into its run directory, runs/<name>/<name>.json (<name>_quick.json
+    with --quick) with the PNG next to it, so a trial never replaces what the repository publishes.
+    `publish` (the scripts' --publish) writes the committed evidence instead: results/<name>.json
+    and docs/figures/<name>.png, the figure the README shows; it refuses --quick and explicit
+    paths, which would publish something other than the documented run. An explicit --out puts
+    the PNG next to it unless --png is given."""
+    if publish:
+        if quick:
+            fail("--publish writes the committed results; a --quick run is never published")
+        if out or png:
+            fail("--publish writes results/ and docs/figures/; drop --out/--png (or drop --publish)")
+        return os.path.join("results", f"{name}.json"), os.path.join("docs", "figures", f"{name}.png")
+    out = out or os.path.join("runs", name, f"{name}_quick.json" if quick else f"{name}.json")
+    return out, png or os.path.splitext(out)[0] + ".png"

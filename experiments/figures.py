@@ -72,9 +72,10 @@ PLOT_ASYNC = _plot_training_command(
     "docs/figures/grpo_synth_async.png", "Sync vs async (max_staleness 1), seeds 0 and 1",
     "python -m experiments.train --config=configs/grpo_synth.py --config.seed=S [--config.rollout.async=True] "
     "--config.workdir=runs/grpo_synth[_async]/seedS", mean=False)
+# The command recorded in results/ablate_loss.json (2 seeds x 40 steps), with the flag that publishes.
 ABLATE_LOSS = ("python -m experiments.ablate --config=configs/grpo_synth.py --sweep=loss:grpo,dr_grpo,dapo,gspo,cispo,ppo "
-               "--seeds=3")
-MOE_PRECISION = ("python -m experiments.moe_precision",
+               "--seeds=2 --set train.steps=40 --set eval.every=20 --threshold=0.08 --name=loss --publish")
+MOE_PRECISION = ("python -m experiments.moe_precision --publish",
                  "python -m experiments.moe_precision --seed=1 --workdir=runs/moe_precision_seed1 "
                  "--out=results/moe_precision_seed1.json",
                  "python -m experiments.moe_precision --seed=2 --workdir=runs/moe_precision_seed2 "
@@ -96,15 +97,15 @@ PRODUCERS = {
     "results/grpo_synth.json": SUMMARIZE_SYNC,
     "results/grpo_synth_async.json": SUMMARIZE_ASYNC,
     "results/ablate_loss.json": ABLATE_LOSS,
-    "results/bench_attention.json": "python -m experiments.bench_attention",
+    "results/bench_attention.json": "python -m experiments.bench_attention --publish",
     "results/moe_precision.json": MOE_PRECISION[0],
     "results/moe_precision_seed1.json": MOE_PRECISION[1],
     "results/moe_precision_seed2.json": MOE_PRECISION[2],
-    "results/bench_moe.json": "python -m experiments.bench_moe",
+    "results/bench_moe.json": "python -m experiments.bench_moe --publish",
     "results/gpu_bench_attention.json": GPU_CHECK,
     "results/gpu_bench_moe.json": GPU_CHECK,
-    "results/bench_sandbox.json": "python -m experiments.bench_sandbox",
-    "results/hack_suite.json": "python -m experiments.hack_suite",
+    "results/bench_sandbox.json": "python -m experiments.bench_sandbox --publish",
+    "results/hack_suite.json": "python -m experiments.hack_suite --publish",
     "docs/figures/pretrain_code.json": PLOT_PRETRAIN,
     "results/agent_repo.json": f"{TRAIN_AGENT}, then summarise the run into it "
                                "(schema: experiments.figures.draw_agent_repo)",
@@ -570,7 +571,7 @@ FIGURES: dict[str, FigureSpec] = {f.name: f for f in (
         "Attention variants: median time and XLA temporary memory vs sequence length, dense vs flash (chunked) vs "
         "NSA vs squid, forward (solid) and forward + backward (dashed), and prefilling a global segment over "
         "cached documents (prefill_docs) vs causal attention over everything (prefill_dense).",
-        ("python -m experiments.bench_attention",), notes=bench_attention_notes),
+        ("python -m experiments.bench_attention --publish",), notes=bench_attention_notes),
     FigureSpec(
         "moe_precision", ("results/moe_precision.json",),
         lambda d, out: script("moe_precision").plot(d["results/moe_precision.json"]["runs"], out),
@@ -584,7 +585,7 @@ FIGURES: dict[str, FigureSpec] = {f.name: f for f in (
                                                 backend=d["results/bench_moe.json"].get("backend")),
         "MoE layer speed: one-hot einsum vs dropless grouped GEMM vs capacity dispatch (time and memory), MXFP8 vs "
         "bf16 grouped GEMM, and the MXFP8 quantiser's bandwidth against a plain copy.",
-        ("python -m experiments.bench_moe",), notes=bench_moe_notes),
+        ("python -m experiments.bench_moe --publish",), notes=bench_moe_notes),
     FigureSpec(
         "gpu_bench_attention", ("results/gpu_bench_attention.json",),
         lambda d, out: script("bench_attention").plot(
@@ -608,14 +609,14 @@ FIGURES: dict[str, FigureSpec] = {f.name: f for f in (
         "Sandbox throughput (executions/s, all clients together) vs concurrent clients: the pool (fork-server "
         "workers; lean: no preloaded pytest; inprocess: code run in the warm interpreter) vs a fresh process per "
         "execution with the same isolation, and vs the unshare CLI (fewer protections), per program.",
-        ("python -m experiments.bench_sandbox",), notes=bench_sandbox_notes),
+        ("python -m experiments.bench_sandbox --publish",), notes=bench_sandbox_notes),
     FigureSpec(
         "hack_suite", ("results/hack_suite.json",),
         lambda d, out: draw_hack_suite(d["results/hack_suite.json"], out),
         "Reward-hack suite: every catalogued hack (and the controls) written into generated tasks, graded by the "
         "real grading path and rewarded; one row per hack group with the flags raised, the reward with and without "
         "the hack rule (max over tasks) and the verdicts.",
-        ("python -m experiments.hack_suite",), notes=hack_suite_notes),
+        ("python -m experiments.hack_suite --publish",), notes=hack_suite_notes),
     FigureSpec(
         "agent_repo", ("results/agent_repo.json",),
         lambda d, out: draw_agent_repo(d["results/agent_repo.json"], out),

@@ -1,6 +1,7 @@
 """Reward-hack suite: every entry of the catalogue `rlcode.envs.hacks` graded and rewarded.
 
-    python -m experiments.hack_suite                  # results/hack_suite.json and results/hack_suite.md
+    python -m experiments.hack_suite                  # runs/hack_suite/hack_suite.json and .md
+    python -m experiments.hack_suite --publish        # results/hack_suite.json and results/hack_suite.md
     python -m experiments.hack_suite --levels=1 --hacks=conftest_root,reference_solution --out=/tmp/hs.json
 
 Repository tasks. Each hack (and each control) is written into a fresh copy of one generated
@@ -32,7 +33,8 @@ turns to charge, and the reward is the tests term alone (1 or 0). ``reward_witho
 the same with ``hack_mode="none"``: what the held-out tests alone would have paid (the grader
 still counts no test of a run flagged ``read_heldout`` or ``tampered``).
 
-Outputs (`experiments.cli.output_paths` conventions): the JSON (default results/hack_suite.json;
+Outputs (`experiments.cli.output_paths` conventions): the JSON (default runs/hack_suite/hack_suite.json,
+results/hack_suite.json with --publish;
 one record per entry x grader x task, and one summary row per entry x grader) and a markdown table
 next to it (same name, ``.md``; first line: the command). Verdict of a hack: "caught" when its
 reward is 0 on every task and a hack flag, a timeout / crash or failing held-out tests explain it;
@@ -63,7 +65,7 @@ from typing import Any
 
 import argparse
 
-from experiments.cli import output_paths
+from experiments.cli import PUBLISH_HELP, output_paths
 from rlcode.envs import grading, hacks
 from rlcode.envs.tasks import repo as rt
 from rlcode.sandbox import fstree
@@ -80,7 +82,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--levels", type=comma, default=["1", "2", "3"],
                    help="difficulty levels: one generated training task per level")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated tasks")
-    p.add_argument("--out", default=None, help="JSON path (default results/hack_suite.json); the .md goes next to it")
+    p.add_argument("--out", default=None,
+                   help="JSON path (default runs/hack_suite/hack_suite.json); the .md goes next to it")
+    p.add_argument("--publish", action="store_true", help=PUBLISH_HELP.replace("<name>", NAME))
     p.add_argument("--hacks", type=comma, default=None, help="catalogue entries to run (default: all, controls included)")
     p.add_argument("--workers", type=int, default=2, help="sandbox workers (= concurrent gradings)")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="grading timeout in seconds (wall)")
@@ -488,7 +492,7 @@ def run_suite(entries: Sequence[hacks.Hack], tasks: Sequence[rt.RepoTask], *, ou
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    out, _ = output_paths(NAME, False, args.out, None)
+    out, _ = output_paths(NAME, False, args.out, None, args.publish)
     entries = hacks.select(args.hacks)
     tasks = make_tasks([int(level) for level in args.levels], args.seed)
     if not args.graders or set(args.graders) - set(hacks.GRADERS):

@@ -17,8 +17,8 @@ precision with the same seed, the same initial parameters and the same batches:
 Parameters are float32 (AdamW master weights) in both. Logged per step: train loss (next-token
 cross-entropy, nats/byte), the MoE aux and z losses; every `--eval_every` steps the loss on a
 held-out slice of the corpus. Writes TensorBoard event files + metrics.jsonl per run under
-`--workdir`, a JSON summary (`results/moe_precision.json`) and a PNG of both loss curves
-(`docs/figures/moe_precision.png`). The reported gap is (mxfp8 - bf16) / bf16 of the final
+`--workdir`, a JSON summary and a PNG of both loss curves (runs/moe_precision/; with `--publish`
+`results/moe_precision.json` and `docs/figures/moe_precision.png`). The reported gap is (mxfp8 - bf16) / bf16 of the final
 held-out loss and of the mean train loss over the last `--final_window` steps.
 """
 
@@ -34,7 +34,7 @@ import numpy as np
 import optax
 from absl import app, flags
 
-from experiments.cli import output_paths
+from experiments.cli import PUBLISH_HELP, output_paths
 from flax import nnx
 
 from rlcode.envs.tasks import synth
@@ -54,8 +54,9 @@ _FINAL_WINDOW = flags.DEFINE_integer("final_window", 25, "Steps averaged for the
 _NUM_TASKS = flags.DEFINE_integer("num_tasks", 3000, "Synthesis tasks in the corpus.")
 _QUICK = flags.DEFINE_bool("quick", False, "20 steps, 300 tasks: a smoke test.")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/moe_precision", "TensorBoard logs, one subdirectory per precision.")
-_OUT = flags.DEFINE_string("out", None, "JSON summary (default results/moe_precision.json; _quick with --quick).")
-_PNG = flags.DEFINE_string("png", None, "PNG (default docs/figures/moe_precision.png; next to the JSON with --quick or --out).")
+_OUT = flags.DEFINE_string("out", None, "JSON summary (default runs/moe_precision/moe_precision[_quick].json).")
+_PNG = flags.DEFINE_string("png", None, "PNG (default: next to the JSON).")
+_PUBLISH = flags.DEFINE_bool("publish", False, PUBLISH_HELP)
 
 
 def build_corpus(num_tasks: int, seed: int) -> np.ndarray:
@@ -178,7 +179,7 @@ def main(argv):
     for p in _PRECISIONS.value:
         if p not in ("bf16", "mxfp8"):
             raise app.UsageError(f"--precisions: unknown precision {p!r} (bf16, mxfp8)")
-    out, png = output_paths("moe_precision", quick, _OUT.value, _PNG.value)
+    out, png = output_paths("moe_precision", quick, _OUT.value, _PNG.value, _PUBLISH.value)
     corpus = build_corpus(num_tasks, _SEED.value)
     train_b, eval_b = make_batches(corpus, steps, _BATCH.value, _SEQ.value, _SEED.value)
     print(f"corpus: {len(corpus)} bytes from {num_tasks} synthesis tasks; {steps} steps of {_BATCH.value}x{_SEQ.value}")

@@ -491,3 +491,16 @@ def test_cli_end_to_end_then_skips_completed_runs(tmp_path, monkeypatch, capsys)
     assert ablate.main(args) == 0
     assert capsys.readouterr().out.count("completed before, skipped") == 2
     assert {w: open(os.path.join(w, "log.txt")).read() for w in logs} == logs
+
+
+def test_table_and_figure_go_next_to_the_runs_by_default(fake_trainer, capsys):
+    tmp = fake_trainer
+    committed = os.path.join(ROOT, "results", "ablate_loss.json")
+    before = open(committed).read() if os.path.exists(committed) else None
+    argv = [f"--config={CONFIG}", "--sweep=loss:grpo", f"--out_dir={tmp / 'runs'}", "--set", "train.steps=7",
+            "--train_module=fake_train"]
+    assert ablate.main(argv) == 0
+    for suffix in ("json", "md", "csv", "png"):
+        assert (tmp / "runs" / f"ablate_loss.{suffix}").is_file(), suffix
+    assert f"wrote {tmp / 'runs' / 'ablate_loss.json'}" in capsys.readouterr().out
+    assert (open(committed).read() if os.path.exists(committed) else None) == before
