@@ -97,7 +97,7 @@ from typing import Any
 import numpy as np
 
 from experiments.cli import FLAG_ALIASES, output_paths
-from experiments.plot_training import find_jsonl_dir, mean_series, run_series
+from experiments.plot_training import find_jsonl_dir, mean_series, run_series, value_label
 from experiments.summarize_runs import _mean_std
 from rlcode.train.metrics import read_jsonl
 
@@ -809,7 +809,8 @@ def plot_ablation(data: dict, path: str) -> str:
         if title == data["metric"]:
             ax.axhline(data["threshold"], color="gray", ls=":", lw=1)
         ax.set_title(title)
-        ax.set_xlabel("step")
+        ax.set_xlabel("RL step")
+        ax.set_ylabel(value_label(title))
         ax.grid(alpha=0.3)
     handles, names = axes[0].get_legend_handles_labels()
     if handles:

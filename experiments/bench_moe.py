@@ -397,7 +397,7 @@ def plot(rows, path, backend=None):
     timed = [r for r in rows if "median_s" in r]
     color = {v: f"C{i}" for i, v in enumerate(dict.fromkeys(r["variant"] for r in rows))}
 
-    def bars(ax, section, value, ylabel, log, pool=timed):
+    def bars(ax, section, value, ylabel, pool=timed):
         sel = [r for r in pool if r["section"] == section]
         if not sel:
             ax.set_axis_off()
@@ -413,26 +413,30 @@ def plot(rows, path, backend=None):
                           ((r["mode"], r["dtype"]) if section == "quantize" else r["mode"]) == grp), None)
                 if r is not None and value(r) is not None:
                     # Skipped variants (memory only) are hatched: planned by XLA, never run.
-                    ax.bar(g + (i - (len(variants) - 1) / 2) * width, value(r), width, color=color[v],
-                           hatch="//" if "skipped" in r else None, label=v if v not in labelled else None)
+                    bar = ax.bar(g + (i - (len(variants) - 1) / 2) * width, value(r), width, color=color[v],
+                                 hatch="//" if "skipped" in r else None, label=v if v not in labelled else None)
+                    v_ = value(r)
+                    ax.bar_label(bar, labels=[f"{v_:,.0f}" if v_ >= 100 else f"{v_:.3g}"], fontsize=6, rotation=90,
+                                 padding=2)
                     labelled.add(v)
         ax.set_xticks(range(len(groups)))
         ax.set_xticklabels([g[1] if isinstance(g, tuple) else g for g in groups])
         ax.set_ylabel(ylabel)
-        if log:
-            ax.set_yscale("log")
-        ax.grid(True, axis="y", which="both", alpha=0.3)
+        ax.set_xlabel("quantiser input dtype" if section == "quantize" else "pass")
+        ax.margins(y=0.18)  # room for the value labels
+        ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=7)
         ax.set_title(section)
 
-    bars(axes[0], "dispatch", lambda r: r["median_s"], "median time (s)", True)
+    # Linear axes (bar heights are the values) with each bar's value written on it.
+    bars(axes[0], "dispatch", lambda r: r["median_s"] * 1e3, "median time (ms)")
     bars(axes[1], "dispatch", lambda r: None if r.get("temp_bytes") is None else r["temp_bytes"] / 2**20,
-         "XLA temporary memory (MiB)", True, pool=rows)
+         "XLA temporary memory (MiB)", pool=rows)
     skipped = any("skipped" in r for r in rows if r["section"] == "dispatch")
     axes[1].set_title("dispatch memory" + (" (hatched: skipped, too large to run)" if skipped else ""))
-    bars(axes[2], "precision", lambda r: r["median_s"], "median time (s)", True)
+    bars(axes[2], "precision", lambda r: r["median_s"] * 1e3, "median time (ms)")
     axes[2].set_title("grouped GEMM precision")
-    bars(axes[3], "quantize", lambda r: r["gb_s"], "GB/s (read + written)", False)
+    bars(axes[3], "quantize", lambda r: r["gb_s"], "GB/s (read + written)")
     axes[3].set_title("MXFP8 quantiser vs x * 2")
     fig.suptitle(f"MoE on {backend or jax.default_backend()}: dispatch, grouped-GEMM precision, quantiser")
     fig.tight_layout()

@@ -238,6 +238,14 @@ def _bench_methods(case_name, case, clients, pool, lean, fresh, quick, wds) -> l
 
 
 METHOD_ORDER = ("pool", "pool_lean", "pool_inprocess", "fresh", "unshare_cli")
+# What the figure's legend calls each method (the JSON keeps the short names).
+METHOD_LABELS = {
+    "pool": "sandbox pool: program exec'd (pytest preloaded)",
+    "pool_lean": "sandbox pool, lean workers (nothing preloaded)",
+    "pool_inprocess": "sandbox pool: Python run in the warm worker",
+    "fresh": "new interpreter per execution, same isolation",
+    "unshare_cli": "unshare(1) per execution, fewer protections",
+}
 
 
 def plot(rows, path):
@@ -250,7 +258,7 @@ def plot(rows, path):
 
     cases = list(dict.fromkeys(r["case"] for r in rows))
     methods = sorted({r["method"] for r in rows}, key=lambda m: (METHOD_ORDER + (m,)).index(m))
-    fig = Figure(figsize=(4.2 * max(1, len(cases)) + 1.8, 3.8), layout="constrained")
+    fig = Figure(figsize=(4.2 * max(1, len(cases)) + 0.5, 4.4), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, max(1, len(cases)), squeeze=False).ravel()
     for ax, case in zip(axes, cases):
@@ -258,7 +266,7 @@ def plot(rows, path):
             pts = sorted((r["workers"], r["execs_per_s"]) for r in rows if r["case"] == case and r["method"] == method)
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], "--" if method in ("fresh", "unshare_cli") else "-",
-                        marker="o", color=f"C{i}", label=method)
+                        marker="o", color=f"C{i}", label=METHOD_LABELS.get(method, method))
         workers = sorted({r["workers"] for r in rows if r["case"] == case})
         ax.set_xticks(workers)
         ax.set_xlabel("concurrent clients (= pool workers)")
@@ -267,15 +275,16 @@ def plot(rows, path):
         ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
         ax.yaxis.set_minor_formatter(NullFormatter())
         ax.grid(True, which="both", alpha=0.3)
+        ax.set_ylabel("executions / s (all clients, log scale)")
         ax.set_title({"true": "/bin/true", "python": 'python -c "print(1)"', "pytest": "pytest, 2 tests",
                       "workdir": "sh, 20-file workdir"}.get(case, case))
-    axes[0].set_ylabel("executions / s")
     legend = {}  # a method missing from one program (no in-process /bin/true) is still named
     for ax in axes:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             legend.setdefault(label, handle)
-    fig.legend([legend[m] for m in methods if m in legend], [m for m in methods if m in legend],
-               loc="outside right upper", fontsize="small")
+    labels = [METHOD_LABELS.get(m, m) for m in methods]
+    fig.legend([legend[m] for m in labels if m in legend], [m for m in labels if m in legend],
+               loc="outside lower center", ncol=3, fontsize="small")
     fig.suptitle("sandbox: pool vs a fresh process per execution, same isolation (python -m experiments.bench_sandbox)",
                  fontsize=10)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

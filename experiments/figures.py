@@ -194,13 +194,18 @@ def draw_pass_at_k(result: dict, out: str) -> str:
     for ax, (prefix, title) in zip(axes, PASS_AT_K_SETS.items()):
         points = pass_at_k_points(result["metrics"], prefix)
         ks = list(points)
+        ticks = sorted(set(ks) | set(PASS_AT_K_WANTED))
         for when, label, shift, color in (("start", "start (SFT)", 0.94, "C0"), ("end", "end (after RL)", 1.06, "C1")):
             means = [points[k][when][0] for k in ks]
             stds = [points[k][when][1] for k in ks]
-            ax.errorbar([k * shift for k in ks], means, yerr=stds, marker="o", ls=":", capsize=4, color=color,
+            ax.errorbar([k * shift for k in ks], means, yerr=stds, marker="o", ls="none", capsize=4, color=color,
                         label=label)
+            # A line joins two measured k only when no k between them is missing: none is drawn
+            # through a value the file does not have.
+            for a, b in zip(ks, ks[1:]):
+                if ticks.index(b) == ticks.index(a) + 1:
+                    ax.plot([a * shift, b * shift], [points[a][when][0], points[b][when][0]], ":", color=color)
         ax.set_xscale("log", base=2)
-        ticks = sorted(set(ks) | set(PASS_AT_K_WANTED))
         ax.set_xticks(ticks, [f"{k}\n(= {points[k]['key'].split('/')[1]})" if k in points and "/best_of_" in
                               points[k]["key"] else str(k) for k in ticks])
         ax.minorticks_off()
@@ -214,7 +219,7 @@ def draw_pass_at_k(result: dict, out: str) -> str:
         ax.grid(True, alpha=0.3)
         ax.set_title(title, fontsize="medium")
     axes[0].legend(loc="center left", fontsize="small")
-    fig.suptitle(f"pass@k before and after RL, mean ± std over {len(result['runs'])} runs")
+    fig.suptitle(f"pass@k before and after RL, mean ± std (error bars) over {len(result['runs'])} seeds")
     _footer(fig, "results/grpo_synth.json: " + SUMMARIZE_SYNC)
     return _save(fig, out)
 
@@ -360,17 +365,18 @@ def draw_agent_repo(record: dict, out: str) -> str:
     trailing mean over AGENT_ROLLOUT_WINDOW steps); prefill tokens per step by sampler; with a
     replay, the same recorded turns prefilled in each mode (seconds, tokens on the bars). A tag
     the file lacks is left out."""
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: PLC0415
+    from matplotlib.ticker import FuncFormatter, MaxNLocator  # noqa: PLC0415
 
     # The expert batch (episodes that read the right files) when present, else the run's own turns.
     replay = record.get("replay_expert") or record.get("replay") or {}
     fig = _figure(5.2 * (3 if replay else 2) + 0.5, 4.4)
     axes = fig.subplots(1, 3 if replay else 2, squeeze=False).ravel()
     ax = axes[0]
-    for tag, style in (("eval_fresh/success", "o-"), ("eval/success", "s-")):
+    # Markers of different sizes, so two eval sets at the same value (often 0) both stay visible.
+    for tag, style, size in (("eval_fresh/success", "o-", 9), ("eval/success", "s--", 5)):
         steps, values = _curve(record, tag)
         if steps:
-            ax.plot(steps, values, style, label=tag)
+            ax.plot(steps, values, style, markersize=size, label=tag)
     steps, values = _curve(record, "rollout/success")
     if steps:
         window = min(AGENT_ROLLOUT_WINDOW, len(values))
@@ -378,23 +384,24 @@ def draw_agent_repo(record: dict, out: str) -> str:
                 label=f"rollout/success (mean of last {window})")
     ax.set_title("success rate")
     ax.set_ylabel("fraction of episodes solved")
+    ax.set_ylim(-0.03, 1.03)  # a fraction: the whole range, also when every value is 0
     ax = axes[1]
-    for i, sampler in enumerate(AGENT_SAMPLERS):
+    # Distinct line styles: two samplers that prefill the same tokens draw one over the other.
+    for i, (sampler, style) in enumerate(zip(AGENT_SAMPLERS, ("-", "--", ":"))):
         steps, values = _curve(record, f"prefill/tokens_{sampler}")
         if steps:
-            ax.plot(steps, values, color=f"C{i}", label=sampler)
+            ax.plot(steps, values, style, color=f"C{i}", lw=2.5 - 0.6 * i, marker="o", markersize=4, label=sampler)
     steps, saved = _curve(record, "prefill/saved_vs_incremental")
     title = "prefill tokens per step by sampler"
     if steps and np.isfinite(saved).any():
         title += f"\n(documents saves {100 * np.nanmean(saved):.0f}% vs incremental, mean over steps)"
     ax.set_title(title, fontsize="medium")
-    ax.set_ylabel("tokens prefilled")
-    ax.set_yscale("log")
-    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.set_ylabel("tokens prefilled per step")
+    ax.set_ylim(bottom=0)
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
-    ax.yaxis.set_minor_formatter(NullFormatter())
     for ax in axes[:2]:
-        ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
+        ax.set_xlabel("RL step")
         ax.grid(True, which="both", alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize="small")
@@ -408,7 +415,8 @@ def draw_agent_repo(record: dict, out: str) -> str:
         for bar, m in zip(bars, modes):
             ax.annotate(f"{replay[m]['tokens']:,} tokens", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                         ha="center", va="bottom", fontsize="small")
-        ax.set_ylabel("seconds")
+        ax.set_ylabel("prefill time (s, median of rounds)")
+        ax.set_xlabel("sampler")
         what = (f"{replay['tasks']} tasks x {replay['group']} expert episodes" if "tasks" in replay
                 else "the run's recorded turns")
         ax.set_title(f"prefill replay: {what}", fontsize="medium")

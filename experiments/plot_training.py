@@ -129,6 +129,22 @@ def plot_runs(
     return out
 
 
+def value_label(tag: str) -> str:
+    """The y-axis label of a logged scalar: what it measures and in which unit, from its name."""
+    name = tag.split(" ")[0].split("/")[-1]
+    if name.startswith(("pass@", "best_of")) or "success" in name:
+        return "fraction solved"
+    if "bpb" in name:
+        return "bits per byte"
+    if name.startswith("kl"):
+        return "KL (nats per token)"
+    if "tokens_per_s" in name:
+        return "tokens / s"
+    if "reward" in name:
+        return "mean reward"
+    return name
+
+
 def draw_series(record: dict, out: str, dpi: int = DPI) -> str:
     """Draw the PNG `out` from a series record (what `plot_runs` writes next to its PNG:
     {"runs", "title", "caption", "smooth", "tags": {tag: {"runs": {run: {"steps", "values"}},
@@ -161,6 +177,7 @@ def draw_series(record: dict, out: str, dpi: int = DPI) -> str:
         window = windows.get(tag, 1)
         ax.set_title(tag if window == 1 else f"{tag} (mean of last {window})")
         ax.set_xlabel("step")
+        ax.set_ylabel(value_label(tag))
         ax.grid(alpha=0.3)
     for ax in axes[len(tags):]:
         ax.set_visible(False)
