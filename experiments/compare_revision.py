@@ -106,7 +106,7 @@ def _new_synth_pass(pool, task, candidate: str, timeout: float, inprocess: bool)
 
 
 def compare_graders(args: argparse.Namespace, log=print) -> dict[str, Any]:
-    from experiments import hack_suite  # noqa: PLC0415 (starts the pool before jax is imported)
+    from experiments import hack_suite  # noqa: PLC0415 (imported only for this comparison)
 
     pool, ex_info = hack_suite.make_executor(2, args.timeout)
     inprocess = ex_info["kind"] == "sandbox_pool"

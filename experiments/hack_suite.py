@@ -156,7 +156,7 @@ def make_executor(workers: int, timeout: float) -> tuple[Any, dict[str, Any]]:
         from rlcode.sandbox import Limits, SandboxPool  # noqa: PLC0415 (workers start here)
 
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # e.g. "created after jax was imported" inside a test run
+            warnings.simplefilter("ignore")  # e.g. no delegated cgroups for the pool
             pool = SandboxPool(workers, Limits(wall_seconds=timeout))
     except (ImportError, RuntimeError, OSError) as e:
         return SubprocessExecutor(), {"kind": "local_subprocess", "workers": workers,

@@ -77,7 +77,7 @@ def pytest_configure(config):
 def sandbox_pool():
     sandbox = pytest.importorskip("rlcode.sandbox")
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "created after jax was imported": workers are fresh interpreters
+        warnings.simplefilter("ignore")  # e.g. no delegated cgroups on this machine
         try:
             pool = sandbox.SandboxPool(2, sandbox.Limits(wall_seconds=60, cpu_seconds=30))
         except (RuntimeError, OSError) as e:

@@ -1,6 +1,6 @@
 """Isolated execution of untrusted, model-written programs (docs/threat_model.md).
 
-    pool = SandboxPool(num_workers, limits=Limits(...))   # create before importing jax
+    pool = SandboxPool(num_workers, limits=Limits(...))   # workers are fresh interpreters (fork+exec)
     pool.run(argv, files=..., stdin=..., timeout=..., workdir=...)   -> ExecResult
     pool.run_python(code, inprocess=False|True, ...)                  -> ExecResult
     pool.submit(...) / pool.submit_python(...)                        -> Future[ExecResult]
