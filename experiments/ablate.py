@@ -96,7 +96,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.cli import FLAG_ALIASES, output_paths
+from experiments.cli import FLAG_ALIASES, output_paths, summary
 from experiments.plot_training import find_jsonl_dir, mean_series, run_series, value_label
 from experiments.summarize_runs import _mean_std
 from rlcode.train.metrics import read_jsonl
@@ -843,7 +843,7 @@ def write_outputs(data: dict, json_path: str, png_path: str) -> dict[str, str]:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m experiments.ablate", description=__doc__.split("\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m experiments.ablate", description=summary(__doc__),
                                      allow_abbrev=False)
     parser.add_argument("--config", default="configs/grpo_synth.py", help="config file[:argument]")
     parser.add_argument("--sweep", action="append", default=[], help="KEY:V1,V2,... (repeatable: cartesian grid)")

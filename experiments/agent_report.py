@@ -37,7 +37,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from experiments.cli import PUBLISH_HELP, output_paths
+from experiments.cli import PUBLISH_HELP, output_paths, summary
 from rlcode.models.transformer import init_model
 from rlcode.tokenizer import ByteTokenizer
 from rlcode.envs import harness
@@ -161,7 +161,7 @@ def replay(run_dir: str | None, rounds: int, max_turn_sets: int | None, recorded
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=summary(__doc__))
     p.add_argument("--runs", default="", help="comma-separated run directories (the first is replayed)")
     p.add_argument("--config", default=None, help="instead of --runs: an agent config file whose scripted expert "
                    "is replayed (--expert), with no run")

@@ -19,6 +19,13 @@ def translate_aliases(argv: list[str]) -> list[str]:
     return out
 
 
+def summary(doc: str | None) -> str:
+    """The first paragraph of a module docstring as one line: a script's --help description
+    (its first line alone is often half a sentence)."""
+    first = (doc or "").strip().split("\n\n")[0]
+    return " ".join(line.strip() for line in first.splitlines())
+
+
 PUBLISH_HELP = ("write the committed evidence (results/<name>.json, docs/figures/<name>.png) instead of the "
                 "run directory runs/<name>/; only a full run (not --quick, no --out/--png) can be published")
 

@@ -44,6 +44,8 @@ from typing import Any
 
 import numpy as np
 
+from experiments.cli import summary
+
 SOURCES = ("synth", "humaneval", "repo", "mined")
 COMPLETION = ("synth", "humaneval")  # the synthesis job's policies; repo and mined: the agent job's
 PROMPT_STYLES = ("completion", "chat")
@@ -74,7 +76,7 @@ def _parse_mesh(text: str) -> dict[str, int]:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m experiments.evaluate", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m experiments.evaluate", description=summary(__doc__),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     origin = p.add_mutually_exclusive_group(required=True)
     origin.add_argument("--run", help="a run directory of the synthesis or agent job (config.json + checkpoints/)")

@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from experiments.cli import summary
 from experiments import ablate, plot_training, summarize_runs
 
 DPI = 100
@@ -732,7 +733,7 @@ def list_figures(root: str) -> str:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m experiments.figures", description=__doc__.split("\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m experiments.figures", description=summary(__doc__),
                                      allow_abbrev=False)
     parser.add_argument("--all", action="store_true", help="draw every figure")
     parser.add_argument("--only", default=None, help="comma-separated figure names")

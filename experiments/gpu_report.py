@@ -20,6 +20,8 @@ import shutil
 import sys
 import xml.etree.ElementTree as ET
 
+from experiments.cli import summary
+
 BENCHES = ("gpu_bench_attention", "gpu_bench_moe")
 
 
@@ -79,7 +81,7 @@ def publish(run_dir: str, root: str = ".") -> list[str]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=summary(__doc__))
     parser.add_argument("run_dir", help="the directory experiments/gpu_check.sh wrote")
     parser.add_argument("--publish", action="store_true",
                         help="copy the results to results/gpu_*.json and redraw docs/figures/gpu_*.png")
@@ -88,14 +90,14 @@ def main(argv=None) -> int:
     if not os.path.exists(xml):
         print(f"error: {xml} not found (did the kernel_tests stage of gpu_check.sh run?)", file=sys.stderr)
         return 2
-    summary = kernel_tests_summary(xml, os.path.join(args.run_dir, "stages.log"))
+    record = kernel_tests_summary(xml, os.path.join(args.run_dir, "stages.log"))
     out = os.path.join(args.run_dir, "gpu_kernel_tests.json")
     with open(out, "w") as f:
-        json.dump(summary, f, indent=1)
-    c = summary["counts"]
+        json.dump(record, f, indent=1)
+    c = record["counts"]
     print(f"kernel tests: {c['passed']} passed, {c['failed']} failed, {c['error']} errors, {c['skipped']} skipped "
-          f"in {summary['wall_s']:.0f} s -> {out}")
-    for case in summary["cases"]:
+          f"in {record['wall_s']:.0f} s -> {out}")
+    for case in record["cases"]:
         if case["outcome"] in ("failed", "error"):
             print(f"  {case['outcome']}: {case['test']}: {case.get('message', '')}")
     if args.publish:

@@ -25,6 +25,8 @@ import numpy as np
 
 from rlcode.train.metrics import JSONL_NAME, read_jsonl
 
+from experiments.cli import summary
+
 PANEL_COLUMNS = 3
 DPI = 100  # the README's figures: a few hundred KB
 
@@ -192,7 +194,7 @@ def draw_series(record: dict, out: str, dpi: int = DPI) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=summary(__doc__))
     parser.add_argument("--runs", required=True, help="comma-separated run directories")
     parser.add_argument("--tags", required=True,
                         help="comma-separated scalar tags, one panel each; tag:N smooths that tag over N points")

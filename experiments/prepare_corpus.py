@@ -22,9 +22,11 @@ import sys
 import time
 from collections.abc import Sequence
 
+from experiments.cli import summary
+
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m experiments.prepare_corpus", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m experiments.prepare_corpus", description=summary(__doc__),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.path.join(".cache", "corpus"), help="output directory")
     p.add_argument("--mined_dir", default=os.path.join(".cache", "mined"),

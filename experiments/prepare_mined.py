@@ -34,6 +34,8 @@ import tarfile
 import time
 from collections.abc import Sequence
 
+from experiments.cli import summary
+
 
 @dataclasses.dataclass(frozen=True)
 class Project:
@@ -117,7 +119,7 @@ def tests_of(root: str, tests: Sequence[str]) -> list[str]:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m experiments.prepare_mined", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.prepare_mined", description=summary(__doc__))
     p.add_argument("--projects", default=",".join(PROJECTS), help=f"comma-separated, of {', '.join(PROJECTS)}")
     p.add_argument("--tasks_per_project", type=int, default=12)
     p.add_argument("--eval_projects", default=",".join(DEFAULT_EVAL_PROJECTS),

@@ -45,6 +45,9 @@ def publish(base: str, target: str = PUBLISHED) -> None:
 
 
 def main(config: Any) -> int:
+    if flags.FLAGS.print_config:
+        train_cli.print_config(config, train_cli._config_spec(sys.argv, DEFAULT_CONFIG))
+        return 0
     logging.set_verbosity(logging.WARNING)
     from rlcode.checks import ConfigError  # noqa: PLC0415
     from rlcode.train import pretrain  # noqa: PLC0415

@@ -38,6 +38,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from experiments.cli import summary
+
 PRETRAIN_CONFIG = "configs/pretrain_code.py"
 SYNTH_CONFIG = "configs/grpo_synth.py"
 COMMITTED = os.path.join("checkpoints", "code_base")
@@ -45,7 +47,7 @@ NAME = "pretrain_budgets"
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m experiments.pretrain_budgets", description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog="python -m experiments.pretrain_budgets", description=summary(__doc__),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--budgets", default="0,300,1200", help="pretraining steps, comma-separated (0 = none)")
     p.add_argument("--seeds", type=int, default=3, help="RL seeds 0..N-1")

@@ -21,6 +21,8 @@ import numpy as np
 
 from rlcode.train.metrics import read_jsonl
 
+from experiments.cli import summary
+
 DEFAULT_KEYS = ("eval/pass@1", "eval/best_of_16", "eval_fresh/pass@1", "eval_fresh/best_of_16")
 
 
@@ -71,7 +73,7 @@ def markdown(result: dict) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=summary(__doc__))
     parser.add_argument("--runs", required=True, help="comma-separated run directories")
     parser.add_argument("--keys", default=",".join(DEFAULT_KEYS), help="comma-separated eval metrics")
     parser.add_argument("--out", default=None, help="write the summary as JSON here")

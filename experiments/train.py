@@ -14,6 +14,7 @@ with one line on stderr, ``config error: ...`` naming the field, and exit status
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from typing import Any
@@ -25,9 +26,47 @@ from experiments.cli import translate_aliases
 from rlcode.checks import ConfigError, unknown_field_error
 
 DEFAULT_CONFIG = "configs/grpo_synth.py"
+# Defined once per process: run as `python -m experiments.train`, this module is __main__ and may
+# be imported again as experiments.train (by experiments.pretrain), which must not redefine it.
+if "print_config" not in flags.FLAGS:
+    flags.DEFINE_bool(
+        "print_config", False, "Print the resolved config (the file, its argument and every override): each "
+        "field's value, its valid values and the config file's comment on it, then exit without running anything.")
 CONFIG_ERROR_STATUS = 2
 # --config.a.b=v, --config.a.b v, and absl's --noconfig.a.b for a boolean field.
 _OVERRIDE = re.compile(r"^--?(?:no)?config\.([^=]+)")
+
+
+# The config files a job of this script runs, whose `ARGS` (the choices after ':') --help lists.
+JOB_CONFIGS = ("configs/grpo_synth.py", "configs/agent_repo.py", "configs/grpo_hf.py", "configs/pretrain_code.py")
+
+
+def config_help(configs: tuple[str, ...] = JOB_CONFIGS) -> str:
+    """The --config flag's help: the syntax, then each job config's choices after ':' (its ARGS)."""
+    import importlib.util  # noqa: PLC0415
+
+    parts = [f"Experiment config: FILE[:NAME=VALUE,...] (default {DEFAULT_CONFIG}); then --config.FIELD=VALUE "
+             "overrides any field, and --print_config shows them all. Choices after ':' (each config's "
+             "docstring says what they mean):"]
+    for path in configs:
+        if not os.path.exists(path):
+            continue
+        spec = importlib.util.spec_from_file_location(f"_help_{os.path.basename(path)[:-3]}", path)
+        module = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(module)
+        except Exception as e:  # noqa: BLE001  (help must print whatever one config does)
+            parts.append(f"{path}: (cannot be loaded: {type(e).__name__})")
+            continue
+        choices: dict[str, list[str]] = {}
+        for arg in getattr(module, "ARGS", ()):
+            for part in str(arg).split(","):  # an entry may combine choices (base=code,levels=123)
+                name, _, value = part.partition("=")
+                if value and value not in choices.setdefault(name, []):
+                    choices[name].append(value)
+        if choices:
+            parts.append(f"{path}: " + ", ".join(f"{n}={'|'.join(v)}" for n, v in choices.items()) + ";")
+    return " ".join(parts)
 
 
 def _config_spec(argv: list[str], default: str = DEFAULT_CONFIG) -> str:
@@ -82,7 +121,8 @@ def parse_config(argv: list[str], flag_values: flags.FlagValues = flags.FLAGS, d
             raise unknown_field_error(match.group(1), known)
     if not any(a.startswith(("--config=", "-config=")) or a in ("--config", "-config") for a in argv[1:]):
         argv.insert(1, f"--config={spec}")
-    config_flags.DEFINE_config_file("config", None, "Experiment config.", flag_values=flag_values, sys_argv=argv)
+    help_text = config_help() if any(a in ("--help", "-h", "--helpfull", "-help") for a in argv[1:]) else "Experiment config."
+    config_flags.DEFINE_config_file("config", None, help_text, flag_values=flag_values, sys_argv=argv)
     try:
         flag_values(argv)
     except flags.Error as e:
@@ -107,7 +147,82 @@ def flags_parser(argv: list[str], default: str = DEFAULT_CONFIG) -> Any:
         sys.exit(config_failure(e))
 
 
+def _job_schema(config: Any) -> dict[str, Any]:
+    """The schema the job checks `config` against (field -> rlcode.checks.Spec, nested); {} when it
+    cannot be built (the job's own check then names the problem)."""
+    from rlcode.train import agent, loop, pretrain  # noqa: PLC0415
+    from rlcode.train.schema import common_schema  # noqa: PLC0415
+
+    try:
+        common = common_schema(config)
+    except ConfigError:
+        return {}
+    job = config.get("job", "synth")
+    if job == "pretrain":
+        return {**{k: common[k] for k in pretrain.COMMON_FIELDS}, **pretrain.PRETRAIN_SECTIONS}
+    return {**common, **(agent.AGENT_SECTIONS if job == "agent" else loop.SYNTH_SECTIONS)}
+
+
+def _config_comments(path: str) -> dict[str, str]:
+    """field path -> the comment on its line in the config file (`cfg.a.b = ...  # comment`)."""
+    comments = {}
+    try:
+        lines = open(path, encoding="utf-8").read().splitlines()
+    except OSError:
+        return comments
+    for line in lines:
+        match = re.match(r"\s*cfg\.([\w.]+)\s*=.*?#\s*(.+)$", line)
+        if match:
+            comments[match.group(1)] = match.group(2).strip()
+    return comments
+
+
+def print_config(config: Any, spec: str, out=None) -> None:
+    """Every leaf of `config`, one per line: `path = value`, then `# valid: ...` (the job's schema)
+    and the config file's own comment on the field where it has one."""
+    out = out or sys.stdout
+    schema = _job_schema(config)
+    comments = _config_comments(spec.partition(":")[0])
+
+    def spec_of(path: str) -> Any:
+        node: Any = schema
+        for part in path.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return None
+            node = node[part]
+        return None if isinstance(node, dict) else node
+
+    def leaves(cfg: Any, prefix: str = ""):
+        for name in sorted(cfg.keys()):
+            value = cfg[name]
+            if hasattr(value, "items"):
+                yield from leaves(value, prefix + name + ".")
+            else:
+                yield prefix + name, value
+
+    try:
+        _print_leaves(config, spec, leaves, spec_of, comments, out)
+    except BrokenPipeError:  # `... --print_config | head`: the reader has what it wanted
+        sys.stdout = open(os.devnull, "w")
+
+
+def _print_leaves(config, spec, leaves, spec_of, comments, out) -> None:
+    print(f"# --config={spec} (job: {config.get('job', 'synth')})", file=out)
+    for path, value in leaves(config):
+        notes = []
+        field_spec = spec_of(path)
+        if field_spec is not None:
+            notes.append(f"valid: {field_spec.describe()}")
+        if path in comments:
+            notes.append(comments[path])
+        text_value = json.dumps(value, default=str) if not isinstance(value, str) else repr(value)
+        print(f"{path} = {text_value}" + (f"  # {'; '.join(notes)}" if notes else ""), file=out)
+
+
 def main(config: Any) -> int:
+    if flags.FLAGS.print_config:
+        print_config(config, _config_spec(sys.argv))
+        return 0
     # Checkpoint libraries log every file operation at INFO; the job's own progress is enough.
     logging.set_verbosity(logging.WARNING)
     from rlcode.train import agent, loop  # noqa: PLC0415 (after flag parsing: a bad flag fails fast)

@@ -85,3 +85,29 @@ def test_agent_config_errors_and_a_changed_resume_are_refused(tmp_path):
     line = assert_one_line_error(out, "resume: the config differs", "seed 0 -> 5", "resume_override")
     assert "job \"synth\" -> (absent)" in line
     assert json.loads((run / "config.json").read_text()) == {"seed": 0, "job": "synth"}
+
+
+def test_help_lists_each_job_configs_arguments():
+    out = run_train("--help")
+    assert out.returncode == 1 and not out.stderr, out.stderr[-2000:]  # absl's --help exits with 1
+    text = " ".join(out.stdout.split())  # absl wraps the help text
+    for expected in ("configs/grpo_synth.py: loss=grpo|dr_grpo|dapo|gspo|cispo|ppo, attention=nsa|squid, mlp=moe",
+                     "configs/agent_repo.py:", "configs/pretrain_code.py: tokenizer=bpe|byte", "--print_config"):
+        assert expected in text, expected
+    assert "code,levels" not in text  # an entry combining choices is split into them
+
+
+def test_print_config_shows_the_resolved_fields_and_runs_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    out = run_train("--config=configs/grpo_synth.py:loss=dapo", "--print_config", "--config.rollout.group_size=4",
+                    f"--config.workdir={run_dir}")
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert lines[0] == "# --config=configs/grpo_synth.py:loss=dapo (job: synth)"
+    assert "rollout.group_size = 4  # valid: an integer >= 1" in lines
+    assert f"workdir = '{run_dir}'  # valid: a string" in lines
+    assert any(line.startswith("tokenizer = 'byte'  # valid: a string; or a tokenizer.json") for line in lines)
+    assert "loss.clip_high = 0.28  # valid: a finite number >= 0" in lines  # the dapo recipe's clip-higher
+    assert len(lines) > 100 and not run_dir.exists()
+    # An unknown field is still the one-line error, with or without --print_config.
+    assert_one_line_error(run_train("--print_config", "--config.rollout.grup_size=4"), "rollout.group_size")
