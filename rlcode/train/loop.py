@@ -278,8 +278,9 @@ def evaluate(collector: RolloutCollector, params: Any, cfg: Any, key: jax.Array,
     for level, vals in sorted(by_level.items()):
         metrics[f"{prefix}/pass@1_L{level}"] = float(np.mean(vals))
     r0 = parts[0][0]
-    texts = [f"task {collector.tasks.tasks[int(r0.task_ids[0])].task_id} sample {i} "
-             f"(passed={bool(r0.passed[i])}):\n\n```\n{r0.texts[i]}\n```" for i in range(min(3, n))]
+    task = collector.tasks.tasks[int(r0.task_ids[0])]
+    texts = [f"task {task.task_id}, prompt:\n\n```\n{task.completion_prompt()}\n```"]
+    texts += [f"sample {i} (passed={bool(r0.passed[i])}):\n\n```\n{r0.texts[i]}\n```" for i in range(min(3, n))]
     return metrics, texts
 
 
@@ -359,8 +360,15 @@ def plan(ctx: Context, tasks: tuple) -> Plan:
         return fields
 
     def texts(r: Rollout) -> dict[str, str]:
-        return {"rollout/samples": "\n\n".join(f"reward={r.rewards[i]:.2f}\n\n```\n{r.texts[i]}\n```"
-                                                for i in range(min(cfg.log.num_texts, len(r.texts))))}
+        # Each sample under the prompt it answers (rows are grouped G per prompt).
+        parts, shown = [], None
+        for i in range(min(cfg.log.num_texts, len(r.texts))):
+            task = collector.tasks.tasks[int(r.task_ids[i // r.group_size])]
+            if task.task_id != shown:
+                parts.append(f"task {task.task_id}, prompt:\n\n```\n{task.completion_prompt()}\n```")
+                shown = task.task_id
+            parts.append(f"reward={r.rewards[i]:.2f}\n\n```\n{r.texts[i]}\n```")
+        return {"rollout/samples": "\n\n".join(parts)}
 
     return Plan(collect=collect, prepare=make_prepare_fn(objective, advantage, options, ctx.graphdef, G, tok.pad_id),
                 evaluate=run_eval,

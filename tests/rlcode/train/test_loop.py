@@ -190,6 +190,8 @@ def test_job_runs_logs_checkpoints_and_resumes(tmp_path, pool):
         assert p1 <= p4 + 1e-6 and abs(p4 - b4) < 1e-6
     text = open(next((tmp_path / "run" / "tb").glob("events.out.tfevents.*")), "rb").read()
     assert b"rollout/samples" in text and b"eval/samples" in text
+    # Sampled text comes with the prompt it answers (a synthesis prompt is a function signature).
+    assert text.count(b", prompt:") >= 2 and b"def " in text
     summary = json.load(open(tmp_path / "run" / "summary.json"))
     assert summary["completed"] and summary["first_eval"]["eval/pass@1"] == scalars["eval/pass@1"][0][1]
     assert Checkpointer(tmp_path / "run" / "checkpoints", read_only=True).latest_step() == 3
