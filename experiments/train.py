@@ -43,7 +43,7 @@ JOB_CONFIGS = ("configs/grpo_synth.py", "configs/agent_repo.py", "configs/grpo_h
 
 def config_help(configs: tuple[str, ...] = JOB_CONFIGS) -> str:
     """The --config flag's help: the syntax, then each job config's choices after ':' (its ARGS)."""
-    import importlib.util  # noqa: PLC0415
+    from experiments.ablate import load_config_module  # noqa: PLC0415
 
     parts = [f"Experiment config: FILE[:NAME=VALUE,...] (default {DEFAULT_CONFIG}); then --config.FIELD=VALUE "
              "overrides any field, and --print_config shows them all. Choices after ':' (each config's "
@@ -51,10 +51,8 @@ def config_help(configs: tuple[str, ...] = JOB_CONFIGS) -> str:
     for path in configs:
         if not os.path.exists(path):
             continue
-        spec = importlib.util.spec_from_file_location(f"_help_{os.path.basename(path)[:-3]}", path)
-        module = importlib.util.module_from_spec(spec)
         try:
-            spec.loader.exec_module(module)
+            module = load_config_module(path)
         except Exception as e:  # noqa: BLE001  (help must print whatever one config does)
             parts.append(f"{path}: (cannot be loaded: {type(e).__name__})")
             continue
@@ -151,16 +149,15 @@ def _job_schema(config: Any) -> dict[str, Any]:
     """The schema the job checks `config` against (field -> rlcode.checks.Spec, nested); {} when it
     cannot be built (the job's own check then names the problem)."""
     from rlcode.train import agent, loop, pretrain  # noqa: PLC0415
-    from rlcode.train.schema import common_schema  # noqa: PLC0415
+    from rlcode.train.schema import job_schema  # noqa: PLC0415
 
+    job = config.get("job", "synth")
     try:
-        common = common_schema(config)
+        if job == "pretrain":
+            return pretrain.pretrain_schema(config)
+        return job_schema(config, agent.AGENT_SECTIONS if job == "agent" else loop.SYNTH_SECTIONS)
     except ConfigError:
         return {}
-    job = config.get("job", "synth")
-    if job == "pretrain":
-        return {**{k: common[k] for k in pretrain.COMMON_FIELDS}, **pretrain.PRETRAIN_SECTIONS}
-    return {**common, **(agent.AGENT_SECTIONS if job == "agent" else loop.SYNTH_SECTIONS)}
 
 
 def _config_comments(path: str) -> dict[str, str]:
@@ -180,6 +177,8 @@ def _config_comments(path: str) -> dict[str, str]:
 def print_config(config: Any, spec: str, out=None) -> None:
     """Every leaf of `config`, one per line: `path = value`, then `# valid: ...` (the job's schema)
     and the config file's own comment on the field where it has one."""
+    from rlcode.checks import flatten  # noqa: PLC0415
+
     out = out or sys.stdout
     schema = _job_schema(config)
     comments = _config_comments(spec.partition(":")[0])
@@ -192,31 +191,17 @@ def print_config(config: Any, spec: str, out=None) -> None:
             node = node[part]
         return None if isinstance(node, dict) else node
 
-    def leaves(cfg: Any, prefix: str = ""):
-        for name in sorted(cfg.keys()):
-            value = cfg[name]
-            if hasattr(value, "items"):
-                yield from leaves(value, prefix + name + ".")
-            else:
-                yield prefix + name, value
-
+    lines = [f"# --config={spec} (job: {config.get('job', 'synth')})"]
+    for path, value in sorted(flatten(config.to_dict()).items()):
+        field_spec = spec_of(path)
+        notes = ([f"valid: {field_spec.describe()}"] if field_spec is not None else []) + (
+            [comments[path]] if path in comments else [])
+        text_value = repr(value) if isinstance(value, str) else json.dumps(value, default=str)
+        lines.append(f"{path} = {text_value}" + (f"  # {'; '.join(notes)}" if notes else ""))
     try:
-        _print_leaves(config, spec, leaves, spec_of, comments, out)
+        print("\n".join(lines), file=out)
     except BrokenPipeError:  # `... --print_config | head`: the reader has what it wanted
         sys.stdout = open(os.devnull, "w")
-
-
-def _print_leaves(config, spec, leaves, spec_of, comments, out) -> None:
-    print(f"# --config={spec} (job: {config.get('job', 'synth')})", file=out)
-    for path, value in leaves(config):
-        notes = []
-        field_spec = spec_of(path)
-        if field_spec is not None:
-            notes.append(f"valid: {field_spec.describe()}")
-        if path in comments:
-            notes.append(comments[path])
-        text_value = json.dumps(value, default=str) if not isinstance(value, str) else repr(value)
-        print(f"{path} = {text_value}" + (f"  # {'; '.join(notes)}" if notes else ""), file=out)
 
 
 def main(config: Any) -> int:

@@ -68,6 +68,12 @@ PRETRAIN_SECTIONS = {
 }
 
 
+def pretrain_schema(cfg: Any) -> dict[str, Any]:
+    """The pretraining job's schema: the shared sections it uses and its own."""
+    common = common_schema(cfg)
+    return {**{k: common[k] for k in COMMON_FIELDS}, **PRETRAIN_SECTIONS}
+
+
 def validate_config(cfg: Any, num_devices: int | None = None,
                     budget: Sequence[tuple[str, int]] | None = None) -> None:
     """Raise ConfigError naming the field for a config the job cannot run (before anything is
@@ -78,8 +84,7 @@ def validate_config(cfg: Any, num_devices: int | None = None,
 
     if not hasattr(cfg, "keys"):
         raise ConfigError(f"the config must be a ConfigDict, got {type(cfg).__name__}")
-    common = common_schema(cfg)
-    check_fields(cfg, {**{k: common[k] for k in COMMON_FIELDS}, **PRETRAIN_SECTIONS})
+    check_fields(cfg, pretrain_schema(cfg))
     if not cfg.workdir:
         raise ConfigError("workdir='': must name a directory")
     with config_errors("model"):

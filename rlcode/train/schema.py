@@ -111,11 +111,16 @@ def common_schema(cfg: Any) -> dict[str, Any]:
     }
 
 
+def job_schema(cfg: Any, job_sections: dict[str, Any]) -> dict[str, Any]:
+    """The whole schema of an RL job's config: the common sections and the job's own."""
+    return {**common_schema(cfg), **job_sections}
+
+
 def check_schema(cfg: Any, job_sections: dict[str, Any]) -> None:
     """Every field of `cfg` known, present and valid under the common and the job's sections."""
     if not hasattr(cfg, "keys"):
         raise ConfigError(f"the config must be a ConfigDict, got {type(cfg).__name__}")
-    check_fields(cfg, {**common_schema(cfg), **job_sections})
+    check_fields(cfg, job_schema(cfg, job_sections))
 
 
 def mesh_sizes(mesh: Any, num_devices: int | None) -> dict[str, int]:
