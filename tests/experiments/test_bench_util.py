@@ -1,6 +1,8 @@
 """The benchmarks' shared compiling and timing: a failing variant is recorded, not raised; short
 calls are repeated within a round and the round's time divided among them."""
 
+import types
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -28,7 +30,10 @@ def test_try_compile_records_failures_and_skips():
     assert set(row) >= {"compile_s", "temp_bytes"} and "failed" not in row
 
 
-def test_short_calls_are_repeated_within_a_round():
+def test_short_calls_are_repeated_within_a_round(monkeypatch):
+    # A fake clock that only the calls advance, so the counts do not depend on the machine's load.
+    clock = {"now": 0.0}
+    monkeypatch.setattr(bench_util, "time", types.SimpleNamespace(perf_counter=lambda: clock["now"]))
     calls = {"fast": 0, "slow": 0}
 
     class Counted:
@@ -36,10 +41,8 @@ def test_short_calls_are_repeated_within_a_round():
             self.name, self.seconds = name, seconds
 
         def __call__(self, a):
-            import time
-
             calls[self.name] += 1
-            time.sleep(self.seconds)
+            clock["now"] += self.seconds
             return a
 
     x = jnp.ones(3)
@@ -47,7 +50,9 @@ def test_short_calls_are_repeated_within_a_round():
     bench_util.time_round_robin(entries, repeats=3, min_round_s=0.02)
     fast, slow = entries[0][0], entries[1][0]
     assert slow["calls_per_round"] == 1 and calls["slow"] == 1 + 3
-    assert fast["calls_per_round"] > 5 and calls["fast"] == 1 + 3 * fast["calls_per_round"]
-    # The per-call time is the round's time over its calls: near the sleep, not the round.
-    assert 0.0004 < fast["median_s"] < 0.01 and slow["median_s"] >= 0.03
-    assert len(fast["times_s"]) == 3
+    # 0.02 s of 0.5 ms calls: about 40 calls a round, each round waited on once.
+    assert 40 <= fast["calls_per_round"] <= 41 and calls["fast"] == 1 + 3 * fast["calls_per_round"]
+    # The per-call time is the round's time over its calls: the call's time, not the round's.
+    np.testing.assert_allclose(fast["times_s"], [0.0005] * 3, rtol=1e-9)
+    np.testing.assert_allclose(slow["times_s"], [0.03] * 3, rtol=1e-9)
+    assert fast["median_s"] == fast["min_s"] == fast["times_s"][1]
