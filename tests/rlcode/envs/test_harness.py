@@ -8,6 +8,7 @@ working copy (no isolation; the sandbox is tested on its own)."""
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -184,12 +185,17 @@ def test_calls_of_one_turn_run_concurrently_and_answer_in_order(tmp_path):
 
 def test_parallel_sleeps_overlap(tmp_path):
     task = rt.generate_task(0, difficulty=1)
-    turn = assistant("", ("run", {"command": "sleep 1"}), ("run", {"command": "sleep 1"}))
-    start = time.monotonic()
+    # Each command prints when it started and ended: the calls overlap when both started before
+    # either ended, a fact the machine's load cannot change.
+    stamped = "date +%s.%N"
+    command = f"{stamped}; sleep 1; {stamped}"
+    turn = assistant("", ("run", {"command": command}), ("run", {"command": command}))
     traj = harness.run_episode(task, harness.ScriptedPolicy(TOK, [turn, assistant("", ("submit", {}))]),
                                LocalExecutor(), TOK, max_turns=3, root=tmp_path, **BIG)
-    assert time.monotonic() - start < 1.8
     assert [c.status for c in traj.tool_calls] == ["ok", "ok", "ok"]
+    spans = [[float(v) for v in re.findall(r"^\d+\.\d+$", c.observation, re.M)] for c in traj.tool_calls[:2]]
+    assert all(len(s) == 2 for s in spans), [c.observation for c in traj.tool_calls]
+    assert max(s[0] for s in spans) < min(s[1] for s in spans), spans
 
 
 class CountingExecutor:

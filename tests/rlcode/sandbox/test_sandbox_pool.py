@@ -195,11 +195,13 @@ def test_pytest_in_place_and_fresh(pool):
 
 
 def test_submit_and_two_workers_run_concurrently(pool):
-    t0 = time.monotonic()
-    futs = [pool.submit(["sh", "-c", "sleep 1; echo $0", str(i)]) for i in range(2)]
+    # Each command prints when it started and ended; two workers: both started before either ended.
+    stamp = "date +%s.%N"
+    futs = [pool.submit(["sh", "-c", f"{stamp}; sleep 1; {stamp}; echo $0", str(i)]) for i in range(2)]
     results = [f.result(timeout=30) for f in futs]
-    assert [r.stdout for r in results] == [b"0\n", b"1\n"]
-    assert time.monotonic() - t0 < 1.9  # two workers: both sleeps overlap
+    assert [r.stdout.splitlines()[-1] for r in results] == [b"0", b"1"]
+    spans = [[float(v) for v in r.stdout.splitlines()[:2]] for r in results]
+    assert max(s[0] for s in spans) < min(s[1] for s in spans), spans
 
 
 def test_gather_min_fraction_returns_early_and_kills_stragglers(pool):
