@@ -15,10 +15,11 @@ lines file: `read_json_lines`, `repair_json_lines`)::
         writer.scalars(step, {"loss": loss, "eval/pass@1": 0.25})
         writer.text(step, "samples/completion", completion)
 
-Event files are written with tensorboard's record framing and protos only. tensorboard's own
-writers (`EventFileWriter`, `tensorboard.summary.Writer`) do their file IO through
-`tensorboard.compat.tf`, which imports the real TensorFlow whenever it is installed; the files
-here are plain Python files, so TensorFlow is never imported, installed or not.
+Event files are written with tensorboard's record framing and protos only, and read back with
+its TensorFlow-free record reader (`_read_records`). tensorboard's own writers
+(`EventFileWriter`, `tensorboard.summary.Writer`) and event file loaders do their file IO
+through `tensorboard.compat.tf`, which imports the real TensorFlow whenever it is installed; the
+files here are plain Python files, so TensorFlow is never imported, installed or not.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ import math
 import operator
 import os
 import socket
-import struct
 import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -38,7 +38,8 @@ from typing import Any
 
 import numpy as np
 from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
-from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+from tensorboard.compat.tensorflow_stub import errors as tb_errors
+from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import PyRecordReader_New
 from tensorboard.plugins.text import metadata as text_metadata
 from tensorboard.summary.writer.record_writer import RecordWriter
 
@@ -200,29 +201,45 @@ class EventWriter:
 # --------------------------------------------------------------------------------------------
 
 
-def _read_records(path: str) -> Iterator[bytes]:
-    """The records of a TFRecord file: u64 length, u32 masked crc of it, data, u32 masked crc.
+# The stub record reader raises DataLossError both for a record cut short by the end of the file
+# and for a checksum mismatch; only its message tells them apart.
+_TRUNCATED = "has truncated record"
 
-    A truncated last record (a writer still writing, or killed mid-write) ends the file; a
-    checksum mismatch raises, naming the file and offset.
+
+def _read_records(path: str) -> Iterator[bytes]:
+    """The records of one event file, read by tensorboard's own record reader.
+
+    From tensorboard: `PyRecordReader_New` of `tensorboard.compat.tensorflow_stub` (the reader
+    TensorBoard itself uses when TensorFlow is absent) parses the TFRecord framing (u64 length,
+    its masked CRC-32C, payload, the payload's masked CRC-32C) and checks both checksums,
+    raising `DataLossError` when one fails or when the file ends inside a record. It is used
+    directly rather than through `event_file_loader.RawEventFileLoader`, which resolves its
+    reader through `tensorboard.compat.tf` (the real TensorFlow whenever it is installed) and
+    ends the file silently on any `DataLossError`, corrupted or torn.
+
+    Added here: the two kinds of `DataLossError` are told apart. A record cut short by the end
+    of the file (a writer still writing, or killed mid-record, whose resumed run then writes a
+    new file) ends that file's records; any other failure is a ValueError naming the file, the
+    record's index and its byte offset, never a silent loss of the records after it.
     """
-    with open(path, "rb") as f:
+    reader = PyRecordReader_New(path, 0, None, None)
+    index, offset = 0, 0
+    try:
         while True:
-            offset = f.tell()
-            header = f.read(12)
-            if len(header) < 12:
+            try:
+                reader.GetNext()
+            except tb_errors.OutOfRangeError:  # the end of the file, between records
                 return
-            length_bytes, length_crc = header[:8], struct.unpack("<I", header[8:])[0]
-            if masked_crc32c(length_bytes) != length_crc:
-                raise ValueError(f"{path}: corrupted record length at byte {offset}")
-            (length,) = struct.unpack("<Q", length_bytes)
-            body = f.read(length + 4)
-            if len(body) < length + 4:
-                return
-            data, data_crc = body[:length], struct.unpack("<I", body[length:])[0]
-            if masked_crc32c(data) != data_crc:
-                raise ValueError(f"{path}: corrupted record data at byte {offset}")
+            except tb_errors.DataLossError as e:
+                if _TRUNCATED in e.message:
+                    return
+                detail = e.message.removeprefix(f"{path} ")
+                raise ValueError(f"{path}: corrupted record {index} at byte {offset} ({detail})") from None
+            data = reader.record()
             yield data
+            index, offset = index + 1, offset + 8 + 4 + len(data) + 4
+    finally:
+        reader.file_handle.close()
 
 
 def _scalar_value(value: summary_pb2.Summary.Value) -> float | None:
@@ -245,7 +262,9 @@ def read_scalars(logdir: str | os.PathLike) -> dict[str, list[tuple[int, float]]
     """Scalars of every event file in `logdir`: tag -> [(step, value)] sorted by step.
 
     When a tag has several values at one step (a resumed run re-logs steps), the last written
-    (latest wall time; ties by file then position) is kept.
+    (latest wall time; ties by file then position) is kept. A record cut short by the end of its
+    file (a writer killed mid-record) ends that file; a corrupted record anywhere is a ValueError
+    naming the file, record and byte offset (`_read_records`).
     """
     points = []  # (wall_time, file index, position, tag, step, value)
     for file_index, path in enumerate(sorted(glob.glob(os.path.join(os.fspath(logdir), EVENT_FILE_PATTERN)))):

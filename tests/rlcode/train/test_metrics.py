@@ -190,6 +190,45 @@ def test_truncated_tail_is_ignored_and_corruption_raises(tmp_path):
         read_scalars(tmp_path)
 
 
+def write_losses(logdir, steps):
+    """An event file with one `loss` event per step; returns its path and each record's offset."""
+    with EventWriter(logdir) as writer:
+        for step in steps:
+            writer.scalars(step, {"loss": float(step)})
+        path = writer.path
+    data, offsets = open(path, "rb").read(), []
+    while not offsets or offsets[-1] < len(data):  # u64 length, u32 crc, payload, u32 crc
+        start = offsets[-1] if offsets else 0
+        offsets.append(start + 16 + int.from_bytes(data[start:start + 8], "little"))
+    return path, [0] + offsets[:-1]
+
+
+@pytest.mark.parametrize("where, part", [(2, "payload"), (2, "length"), (1, "payload crc")])
+def test_a_garbled_record_in_the_middle_raises_naming_file_record_and_offset(tmp_path, where, part):
+    path, offsets = write_losses(tmp_path, range(5))  # records: the file version, then steps 0..4
+    data = bytearray(open(path, "rb").read())
+    start, end = offsets[where], offsets[where + 1]
+    index = {"length": start, "payload": start + 12, "payload crc": end - 1}[part]
+    data[index] ^= 0x01
+    open(path, "wb").write(bytes(data))
+    message = re.escape(f"{path}: corrupted record {where} at byte {start}")
+    with pytest.raises(ValueError, match=message):
+        read_scalars(tmp_path)
+
+
+def test_a_torn_tail_in_an_earlier_file_is_tolerated(tmp_path):
+    # A writer killed mid-record, then the resumed run's writer in a new file.
+    first, offsets = write_losses(tmp_path, range(3))
+    with open(first, "r+b") as f:
+        f.truncate(offsets[-1] + 20)  # the last record (step 2) cut inside its payload
+    write_losses(tmp_path, range(2, 4))
+    assert read_scalars(tmp_path) == {"loss": [(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.0)]}
+    # A torn header (fewer than the 12 bytes of length and checksum) is a torn tail too.
+    with open(first, "r+b") as f:
+        f.truncate(offsets[-1] + 5)
+    assert read_scalars(tmp_path)["loss"][:2] == [(0, 0.0), (1, 1.0)]
+
+
 def test_a_run_killed_mid_line_is_readable_and_resumable(tmp_path):
     jsonl = tmp_path / "metrics.jsonl"
     with EventWriter(tmp_path) as writer:
