@@ -4,9 +4,10 @@ A checkpoint of step `s` holds the train state (any pytree of arrays: params, op
 the int32 step, the PRNG key), the caller's JSON metadata `extra` (the experiment config, the
 data position, ...) and the metrics used for retention, committed together:
 
-    <directory>/<s>/state/   the arrays (orbax OCDBT / TensorStore)
-    <directory>/<s>/meta/    one JSON file: format, metrics, extra, and one record per array
-                             (path, shape, dtype, PRNG-key implementation, checksum)
+    <directory>/<s>/state/     the arrays (orbax OCDBT / TensorStore)
+    <directory>/<s>/meta/      one JSON file: format, extra, and one record per array
+                               (path, shape, dtype, checksum)
+    <directory>/<s>/metrics/   orbax's metrics item (when `save` was given metrics)
 
 Usage (resume if a checkpoint is present)::
 
@@ -21,22 +22,34 @@ Usage (resume if a checkpoint is present)::
                 ckpt.save(int(state.step), state, metrics=eval_metrics,
                           extra={"config": cfg.to_dict(), "data": position})
 
-Guarantees (orbax-checkpoint 0.12; the local-filesystem behaviour is exercised by
-tests/rlcode/train/test_checkpoint.py):
+For inference, `save_params` / `restore_params` write and read the parameters alone (no
+optimizer state) as one verified directory.
+
+What orbax-checkpoint (0.12) provides and this module configures: the atomic commit, async
+saves, the metrics stored with each step, retention (its `LatestN` and `BestN` preservation
+policies), removal of temporaries left by interrupted saves, typed PRNG keys (stored as key data
+with their implementation, restored as typed keys), resharding on restore. What this module adds:
+a checksum per array checked on every restore, one error type whose messages name the directory,
+the step and the problem, refusal to overwrite a step silently, and a retention rule under which a
+NaN metric never counts as best.
+
+Guarantees (the local-filesystem behaviour is exercised by tests/rlcode/train/test_checkpoint.py):
 
 * Atomic commit. Orbax writes a step into `<s>.orbax-checkpoint-tmp` and renames it to `<s>`
   after every file is written (on GCS, where renames are not atomic, it writes a
   `commit_success.txt` marker instead). A save killed at any point leaves only the temporary
   directory, which is never listed as a step: `latest_step()` and `restore()` keep seeing the
-  last committed checkpoint. Temporaries are removed when a (non read-only) `Checkpointer` opens
-  the directory, and the temporary of a step is replaced when that step is saved again. Old
-  checkpoints are pruned only after the new one has committed, and not at all if its save fails.
+  last committed checkpoint. A (non read-only) `Checkpointer` has orbax remove temporaries when
+  it opens the directory (finished before its first save), and the temporary of a step is
+  replaced when that step is saved again. Old checkpoints are pruned only after the new one has
+  committed, and not at all if its save fails.
 * Verified restore. Each array's checksum (a position-weighted sum of its bits, mod 2^32,
-  computed on device at save time) is stored with the checkpoint and checked after restore, so a
-  truncated, deleted or silently altered array file, a garbled metadata file or a missing step
-  raises `CheckpointError` naming the directory, the step and the problem (the underlying orbax
-  error is chained as `__cause__`); garbage is never returned. (A bit flip inside an array file
-  is not detected by orbax itself: the compressed chunk decodes to wrong values.)
+  computed on device at save time; typed keys are summed over their key data) is stored with the
+  checkpoint and checked after restore, so a truncated, deleted or silently altered array file, a
+  garbled metadata file or a missing step raises `CheckpointError` naming the directory, the
+  step and the problem (the underlying orbax error is chained as `__cause__`); garbage is never
+  returned. (A bit flip inside an array file is not detected by orbax itself: the compressed
+  chunk decodes to wrong values.)
 * Async saves are safe to overlap with training. `save` returns after orbax has moved every
   array to host memory (`transfer_arrays_to_host` runs in the blocking part of the save when no
   device-to-host byte limit is configured, as here). On GPU/TPU that is a copy; on CPU it is a
@@ -45,14 +58,12 @@ tests/rlcode/train/test_checkpoint.py):
   overwrite the state right after `save` returns. `extra` and `metrics` are snapshotted (JSON
   round trip) when `save` is called. `wait()` blocks until the save is durable.
 
-Retention: the `keep` highest steps are kept, plus (with `best_metric`) the best step by
+Retention (orbax's `AnyPreservationPolicy` of `LatestN(keep)` and, with `best_metric`,
+`BestN(n=1)`): the `keep` most recent checkpoints are kept, plus the best step by
 `metrics[best_metric]` even when it is older. Only finite numbers compete for best: a NaN or
 infinite metric, a missing metric and a checkpoint without metrics are never best. Ties go to
-the highest step (the newer of two equally good checkpoints is kept, the older one may be pruned).
-Steps are ordered by their number, not by the time they were saved.
-
-PRNG keys: typed keys (`jax.random.key`) are stored as their key data (`jax.random.key_data`)
-and rewrapped (`jax.random.wrap_key_data`) on restore; raw uint32 keys are ordinary arrays.
+the most recent step. Recency is the order of the steps (a fresh `Checkpointer` lists them by
+number; within one, a step saved after a higher one counts as the newer, with a warning).
 
 Restore targets: `target` (a pytree of `jax.ShapeDtypeStruct` with shardings, or of concrete
 arrays) gives the structure, dtypes and shardings of the result, so a checkpoint written on one
@@ -60,6 +71,10 @@ mesh restores onto any other (resharding, replication, a single device). Arrays 
 dtype they were saved in, verified, then cast to the target's dtype. Without a target the saved
 structure comes back as nested dicts / lists (namedtuples become dicts) on the saved shardings,
 which needs the same devices as the saving job.
+
+Checkpoints of the previous format (`rlcode.checkpoint/1`: metrics inside the metadata, typed
+keys stored as raw key data) restore unchanged; their metrics are read from the metadata, and
+orbax's retention, which does not see them, treats those steps as saved without metrics.
 
 Not thread-safe; one writer per directory (another process may read with `read_only=True`).
 Multi-host use follows orbax's contract (every process calls `save`/`restore`) but is untested.
@@ -80,13 +95,16 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-__all__ = ["Checkpointer", "CheckpointError"]
+__all__ = ["Checkpointer", "CheckpointError", "save_params", "restore_params", "params_extra"]
 
 _log = logging.getLogger(__name__)
 
-FORMAT = "rlcode.checkpoint/1"
+FORMAT = "rlcode.checkpoint/2"
+LEGACY_FORMAT = "rlcode.checkpoint/1"  # metrics in the metadata; typed keys stored as key data
+PARAMS_FORMAT = "rlcode.params/1"
 STATE_ITEM = "state"
 META_ITEM = "meta"
+PARAMS_ITEM = "params"
 # Orbax's suffix for a step that is being written (orbax/checkpoint/_src/path/atomicity_types.py).
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
 BEST_MODES = ("max", "min")
@@ -123,18 +141,14 @@ def _is_typed_key(x: Any) -> bool:
     return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
-_KNOWN_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")
+def _dtype_name(x: Any) -> str:
+    """'float32', 'uint32', ... and, for typed PRNG keys, the key dtype ('key<fry>')."""
+    return str(x.dtype) if _is_typed_key(x) else _leaf_dtype(x).name
 
 
-def _impl_for_key_dtype(dtype: Any, hint: str | None) -> str:
-    """The PRNG implementation name of a typed-key dtype (e.g. key<fry> -> 'threefry2x32')."""
-    for name in ((hint,) if hint else ()) + _KNOWN_IMPLS:
-        try:
-            if jax.eval_shape(lambda: jax.random.key(0, impl=name)).dtype == dtype:
-                return name
-        except Exception:  # an unknown name: try the next one
-            continue
-    raise CheckpointError(f"cannot determine the PRNG implementation of key dtype {dtype}")
+def _summed(x: Any) -> Any:
+    """What a leaf's checksum is computed over: the key data of a typed key, else the leaf."""
+    return jax.random.key_data(x) if _is_typed_key(x) else x
 
 
 def _leaf_dtype(x: Any) -> np.dtype:
@@ -248,19 +262,121 @@ def _finite_number(value: Any) -> float | None:
     return value if math.isfinite(value) else None
 
 
-class _KeepLatestAndBest:
-    """Orbax preservation policy: the `keep` highest steps, plus the best step if any."""
+# --------------------------------------------------------------------------------------------
+# Records and verification, shared by train-state checkpoints and parameter exports
+# --------------------------------------------------------------------------------------------
 
-    def __init__(self, keep: int | None, best_step_of):
-        self._keep = keep
-        self._best_step_of = best_step_of
 
-    def should_preserve(self, checkpoints, *, context):
-        del context
-        steps = [info.step for info in checkpoints]
-        newest = set(sorted(steps)[-self._keep :]) if self._keep is not None else set(steps)
-        best = self._best_step_of(steps)
-        return [s in newest or s == best for s in steps]
+def _records(state: Any) -> list[dict]:
+    """One record per leaf of `state`: path, shape, dtype and checksum (summed on device)."""
+    leaves_with_path, _ = jax.tree_util.tree_flatten_with_path(state)
+    records = [{"path": _path_str(path), "shape": list(np.shape(leaf)), "dtype": _dtype_name(leaf)}
+               for path, leaf in leaves_with_path]
+    paths = [r["path"] for r in records]
+    if len(set(paths)) != len(paths):
+        raise ValueError(f"state has leaves whose paths collide after naming: {paths}")
+    for record, checksum in zip(records, _checksums([_summed(leaf) for _, leaf in leaves_with_path])):
+        record["checksum"] = checksum
+    return records
+
+
+def _check_meta(meta: Any, formats: Sequence[str], where: str) -> dict:
+    fields = ("path", "shape", "dtype", "checksum")
+    if (not isinstance(meta, dict) or meta.get("format") not in formats
+            or not isinstance(meta.get("leaves"), list)
+            or not all(isinstance(r, dict) and all(f in r for f in fields) for r in meta["leaves"])):
+        raise CheckpointError(f"{where}: the metadata is not an {' or '.join(formats)} record")
+    return meta
+
+
+def _legacy_impl(record: dict) -> str | None:
+    """The PRNG implementation of a leaf that the previous format stored as raw key data."""
+    return record.get("prng_impl")
+
+
+def _template(target: Any, saved: dict, where: str) -> tuple[Any, dict]:
+    """Orbax restore template in the saved dtypes, and per path the target's (dtype, sharding)."""
+    leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(target)
+    paths = [_path_str(p) for p, _ in leaves_with_path]
+    missing = sorted(set(paths) - set(saved))
+    unexpected = sorted(set(saved) - set(paths))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{where} does not match the target: in the target but not the checkpoint: {missing}; "
+            f"in the checkpoint but not the target: {unexpected}")
+    template, wanted, mismatched = [], {}, []
+    for path, leaf in zip(paths, (leaf for _, leaf in leaves_with_path)):
+        record = saved[path]
+        sharding = getattr(leaf, "sharding", None)
+        shape = tuple(np.shape(leaf))
+        dtype = leaf.dtype if _is_typed_key(leaf) else _leaf_dtype(leaf)
+        saved_key = record["dtype"].startswith("key<")
+        stored_shape, stored_dtype = shape, dtype
+        if _is_typed_key(leaf) and _legacy_impl(record):  # key data: read it, wrap it afterwards
+            data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(shape, dtype))
+            stored_shape, stored_dtype = tuple(data.shape), data.dtype
+        elif _is_typed_key(leaf) != saved_key:
+            mismatched.append(f"{path}: checkpoint {record['dtype']}, target {dtype}")
+        elif not saved_key:
+            stored_dtype = np.dtype(jnp.dtype(record["dtype"]))  # read as saved, cast afterwards
+        if list(stored_shape) != record["shape"]:
+            mismatched.append(f"{path}: checkpoint {tuple(record['shape'])}, target {stored_shape}")
+        wanted[path] = (dtype, sharding)
+        if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
+            template.append(jax.ShapeDtypeStruct(stored_shape, stored_dtype, sharding=sharding))
+        else:
+            template.append(leaf)
+    if mismatched:
+        raise CheckpointError(f"{where} does not match the target's shapes or dtypes: {mismatched}")
+    return jax.tree_util.tree_unflatten(treedef, template), wanted
+
+
+def _verified(restored: Any, saved: dict, wanted: dict | None, where: str) -> Any:
+    """`restored` checked against the saved records (paths, shapes, dtypes, checksums), then cast
+    to the target's dtypes and shardings (`wanted`; None: no target)."""
+    leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(restored)
+    paths = [_path_str(p) for p, _ in leaves_with_path]
+    leaves = [leaf for _, leaf in leaves_with_path]
+    if sorted(paths) != sorted(saved):
+        raise CheckpointError(
+            f"{where}: restored leaves {sorted(set(paths) ^ set(saved))} do not match the metadata "
+            f"(corrupted tree metadata)")
+    bad = []
+    for path, leaf, checksum in zip(paths, leaves, _checksums([_summed(x) for x in leaves])):
+        record = saved[path]
+        if list(np.shape(leaf)) != record["shape"] or _dtype_name(leaf) != record["dtype"]:
+            # Jax arrays are read in the saved dtype; numpy / python leaves of a target are read
+            # in the target's dtype and cannot be compared with the saved checksum.
+            if wanted is None or isinstance(leaf, jax.Array):
+                bad.append(path)
+        elif record["checksum"] is not None and checksum != record["checksum"]:
+            bad.append(path)
+    if bad:
+        raise CheckpointError(
+            f"{where}: arrays {bad} do not match the shapes, dtypes or checksums recorded at save "
+            f"time (corrupted array files)")
+    out = []
+    for path, leaf in zip(paths, leaves):
+        impl = _legacy_impl(saved[path])
+        if impl is not None:
+            try:
+                leaf = jax.random.wrap_key_data(leaf, impl=impl)
+            except Exception as e:
+                raise CheckpointError(f"{where}: {path} is not valid {impl} key data: {e}") from e
+        elif wanted is not None and isinstance(leaf, jax.Array):
+            dtype, sharding = wanted[path]
+            if leaf.dtype != dtype:
+                leaf = leaf.astype(dtype)
+                if sharding is not None and leaf.sharding != sharding:
+                    leaf = jax.device_put(leaf, sharding)
+        out.append(leaf)
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _restore_hint(target: Any) -> str:
+    return "" if target is not None else (
+        " (without a target the saved shardings are used: pass target= to restore onto this "
+        "process's devices)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -308,9 +424,18 @@ class Checkpointer:
         self.read_only = read_only
         self._pending_step: int | None = None
         self._closed = False
+        policies = [ocp.checkpoint_managers.LatestN(n=keep)]
+        if best_metric is not None:
+            policies.append(ocp.checkpoint_managers.BestN(
+                get_metric_fn=self._rank, reverse=best_mode == "min", n=1,
+                keep_checkpoints_without_metrics=False))
         options = ocp.CheckpointManagerOptions(
             enable_async_checkpointing=async_save,
-            preservation_policy=_KeepLatestAndBest(keep, self._best_of),
+            preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies),
+            # A best_fn makes orbax store the metrics of every save (retention is the policy's).
+            best_fn=self._rank,
+            best_mode=best_mode,
+            cleanup_tmp_directories=not read_only,
             create=not read_only,
             read_only=read_only,
         )
@@ -319,13 +444,6 @@ class Checkpointer:
         except Exception as e:
             raise CheckpointError(f"cannot open checkpoint directory {path}: {e}") from e
         self.directory = self._manager.directory  # an etils.epath.Path (local or gs://)
-        if not read_only:
-            self._remove_uncommitted()
-        # step -> its metrics (None if saved without metrics or if the metadata is unreadable).
-        self._metrics: dict[int, dict | None] = {}
-        if best_metric is not None:
-            for step in self._manager.all_steps():
-                self._metrics[step] = self._read_metrics(step)
 
     # ---------------------------------------------------------------------------- queries
 
@@ -340,47 +458,35 @@ class Checkpointer:
 
     def best_step(self) -> int | None:
         """The step with the best finite `metrics[best_metric]`; None without best_metric or one."""
-        return self._best_of(self.all_steps())
-
-    def metrics(self, step: int) -> dict | None:
-        """The metrics saved with `step` (None if it was saved without metrics)."""
-        if step not in self._metrics:
-            self._metrics[step] = self._read_metrics(step)
-        return self._metrics[step]
-
-    def _best_of(self, steps: Sequence[int]) -> int | None:
         if self.best_metric is None:
             return None
-        best_step, best_value = None, None
-        for step in sorted(steps):  # ascending, so `>=` / `<=` hands ties to the higher step
-            metrics = self._metrics.get(step)
-            value = _finite_number(metrics.get(self.best_metric)) if metrics else None
-            if value is None:
-                continue
-            if (best_value is None
-                    or (value >= best_value if self.best_mode == "max" else value <= best_value)):
-                best_step, best_value = step, value
-        return best_step
+        step = self._manager.best_step()
+        return step if step is not None and self._value(self.metrics(step)) is not None else None
 
-    def _read_metrics(self, step: int) -> dict | None:
+    def metrics(self, step: int) -> dict | None:
+        """The metrics saved with `step` (None if it was saved without metrics or they are
+        unreadable, which is logged)."""
         try:
-            metrics = self._read_meta(step).get("metrics")
-        except CheckpointError as e:
-            _log.warning("ignoring the metrics of step %d: %s", step, e)
+            metrics = self._manager.metrics(step)
+            if metrics is None and (self._step_dir(step) / META_ITEM).exists():
+                meta = self._read_meta(step)
+                metrics = meta.get("metrics") if meta["format"] == LEGACY_FORMAT else None
+        except Exception as e:  # noqa: BLE001 - unreadable metrics only cost retention by best
+            _log.warning("ignoring the metrics of %s: %s", self._where(step), _first_line(e))
             return None
-        return metrics if isinstance(metrics, dict) else None
+        return dict(metrics) if isinstance(metrics, Mapping) else None
 
-    def _remove_uncommitted(self) -> None:
-        """Delete temporaries left by interrupted saves (synchronously: orbax's own cleanup
-        runs in a thread that can outlive a short-lived process)."""
-        if jax.process_index() != 0:
-            return
-        try:
-            for tmp in ocp.utils.tmp_checkpoints(self.directory):
-                _log.info("removing the uncommitted checkpoint %s", tmp.get())
-                tmp.get().rmtree()
-        except Exception as e:  # a leftover temporary is harmless: it is never listed
-            _log.warning("could not remove uncommitted checkpoints in %s: %s", self.directory, e)
+    def _value(self, metrics: Any) -> float | None:
+        if not isinstance(metrics, Mapping) or self.best_metric is None:
+            return None
+        return _finite_number(metrics.get(self.best_metric))
+
+    def _rank(self, metrics: Any) -> float:
+        """Orbax's sort key: the metric, or the worst value when it is missing or not finite."""
+        value = self._value(metrics)
+        if value is None:
+            return -math.inf if self.best_mode == "max" else math.inf
+        return value
 
     def _step_dir(self, step: int) -> Any:
         return self.directory / str(step)
@@ -429,42 +535,20 @@ class Checkpointer:
         latest = self.latest_step()
         if latest is not None and step < latest:
             _log.warning(
-                "saving step %d below the latest step %d in %s: checkpoints are ordered by step, "
-                "so it counts as older", step, latest, self.directory)
+                "saving step %d below the latest step %d in %s: retention counts it as the newest "
+                "until the directory is reopened, then by its number", step, latest, self.directory)
 
-        leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(state)
-        records, stored_leaves = [], []
-        for path, leaf in leaves_with_path:
-            impl = None
-            if _is_typed_key(leaf):
-                impl = str(jax.random.key_impl(leaf))
-                leaf = jax.random.key_data(leaf)
-            stored_leaves.append(leaf)
-            records.append(
-                {"path": _path_str(path), "shape": list(np.shape(leaf)),
-                 "dtype": _leaf_dtype(leaf).name, "prng_impl": impl}
-            )
-        paths = [r["path"] for r in records]
-        if len(set(paths)) != len(paths):
-            raise ValueError(f"state has leaves whose paths collide after naming: {paths}")
-        for record, checksum in zip(records, _checksums(stored_leaves)):
-            record["checksum"] = checksum
-        meta = {"format": FORMAT, "step": step, "metrics": metrics, "extra": extra,
-                "leaves": records}
-        stored_state = jax.tree_util.tree_unflatten(treedef, stored_leaves)
-
-        self._metrics[step] = metrics
+        meta = {"format": FORMAT, "step": step, "extra": extra, "leaves": _records(state)}
         try:
             self._manager.save(
                 step,
                 args=ocp.args.Composite(
-                    **{STATE_ITEM: ocp.args.StandardSave(stored_state),
-                       META_ITEM: ocp.args.JsonSave(meta)}
+                    **{STATE_ITEM: ocp.args.StandardSave(state), META_ITEM: ocp.args.JsonSave(meta)}
                 ),
+                metrics=metrics,
                 force=True,  # bypass orbax's save-interval policy; existence is checked above
             )
         except Exception as e:
-            self._metrics.pop(step, None)
             failed = self._pending_step
             self._pending_step = None
             if failed is not None and failed != step:
@@ -482,8 +566,6 @@ class Checkpointer:
         try:
             self._manager.wait_until_finished()
         except Exception as e:
-            if step is not None:
-                self._metrics.pop(step, None)
             raise CheckpointError(
                 f"saving {self._where(step) if step is not None else 'to ' + str(self.directory)}"
                 f" failed in the background: {e}") from e
@@ -523,13 +605,7 @@ class Checkpointer:
             raise CheckpointError(
                 f"{self._where(step)}: the metadata file is missing or corrupted "
                 f"({type(e).__name__}: {_first_line(e)})") from e
-        fields = ("path", "shape", "dtype", "prng_impl", "checksum")
-        if (not isinstance(meta, dict) or meta.get("format") != FORMAT
-                or not isinstance(meta.get("leaves"), list)
-                or not all(isinstance(r, dict) and all(f in r for f in fields)
-                           for r in meta["leaves"])):
-            raise CheckpointError(f"{self._where(step)}: the metadata is not an {FORMAT} record")
-        return meta
+        return _check_meta(meta, (FORMAT, LEGACY_FORMAT), self._where(step))
 
     def restore_or_none(self, *, target: Any = None) -> tuple[Any, Any] | None:
         """`restore()` of the latest step, or None when the directory has no checkpoint."""
@@ -567,106 +643,84 @@ class Checkpointer:
                 f"no checkpoint for step {step} in {self.directory}{hint}; "
                 f"available steps: {self.all_steps()}")
 
+        where = self._where(step)
         meta = self._read_meta(step)
         saved = {r["path"]: r for r in meta["leaves"]}
-        if target is None:
-            template, typed = None, {}
-        else:
-            template, typed = self._template(step, target, saved)
+        template, wanted = _template(target, saved, where) if target is not None else (None, None)
         try:
             restored = self._manager.restore(
                 step,
                 args=ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(template)}),
             )[STATE_ITEM]
         except Exception as e:
-            hint = "" if target is not None else (
-                " (without a target the saved shardings are used: pass target= to restore "
-                "onto this process's devices)")
             raise CheckpointError(
-                f"{self._where(step)}: cannot read the arrays, files are missing or corrupted"
-                f"{hint} ({type(e).__name__}: {_first_line(e)})") from e
+                f"{where}: cannot read the arrays, files are missing or corrupted"
+                f"{_restore_hint(target)} ({type(e).__name__}: {_first_line(e)})") from e
+        return _verified(restored, saved, wanted, where), meta["extra"]
 
-        leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(restored)
-        paths = [_path_str(p) for p, _ in leaves_with_path]
-        leaves = [leaf for _, leaf in leaves_with_path]
-        if sorted(paths) != sorted(saved):
-            raise CheckpointError(
-                f"{self._where(step)}: restored leaves {sorted(set(paths) ^ set(saved))} do not "
-                f"match the metadata (corrupted tree metadata)")
 
-        bad = []
-        for path, leaf, checksum in zip(paths, leaves, _checksums(leaves)):
-            record = saved[path]
-            as_saved = (list(np.shape(leaf)) == record["shape"]
-                        and _leaf_dtype(leaf).name == record["dtype"])
-            if not as_saved:
-                # Jax arrays are read in the saved dtype; numpy / python leaves of a target are
-                # read in the target's dtype and cannot be compared with the saved checksum.
-                if target is None or isinstance(leaf, jax.Array):
-                    bad.append(path)
-            elif record["checksum"] is not None and checksum != record["checksum"]:
-                bad.append(path)
-        if bad:
-            raise CheckpointError(
-                f"{self._where(step)}: arrays {bad} do not match the shapes, dtypes or checksums "
-                f"recorded at save time (corrupted array files)")
+# --------------------------------------------------------------------------------------------
+# Parameters alone, for inference
+# --------------------------------------------------------------------------------------------
 
-        out = []
-        for path, leaf in zip(paths, leaves):
-            if target is None:
-                impl = saved[path]["prng_impl"]
-            else:
-                impl, dtype, sharding = typed[path]
-                if impl is None and isinstance(leaf, jax.Array) and leaf.dtype != dtype:
-                    leaf = leaf.astype(dtype)
-                    if sharding is not None and leaf.sharding != sharding:
-                        leaf = jax.device_put(leaf, sharding)
-            if impl is not None:
-                try:
-                    leaf = jax.random.wrap_key_data(leaf, impl=impl)
-                except Exception as e:
-                    raise CheckpointError(
-                        f"{self._where(step)}: {path} is not valid {impl} key data: {e}") from e
-            out.append(leaf)
-        return jax.tree_util.tree_unflatten(treedef, out), meta["extra"]
 
-    def _template(self, step: int, target: Any, saved: dict) -> tuple[Any, dict]:
-        """Orbax restore template in the saved dtypes, and per path (key impl, dtype, sharding)."""
-        leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(target)
-        paths = [_path_str(p) for p, _ in leaves_with_path]
-        missing = sorted(set(paths) - set(saved))
-        unexpected = sorted(set(saved) - set(paths))
-        if missing or unexpected:
-            raise CheckpointError(
-                f"{self._where(step)} does not match the target: in the target but not the "
-                f"checkpoint: {missing}; in the checkpoint but not the target: {unexpected}")
-        template, typed, mismatched = [], {}, []
-        for path, leaf in zip(paths, (leaf for _, leaf in leaves_with_path)):
-            record = saved[path]
-            sharding = getattr(leaf, "sharding", None)
-            if _is_typed_key(leaf):
-                abstract = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
-                data = jax.eval_shape(jax.random.key_data, abstract)
-                if isinstance(leaf, jax.Array):
-                    impl = str(jax.random.key_impl(leaf))
-                else:
-                    impl = _impl_for_key_dtype(leaf.dtype, record["prng_impl"])
-                shape, dtype = tuple(data.shape), data.dtype
-            else:
-                impl, shape, dtype = None, tuple(np.shape(leaf)), _leaf_dtype(leaf)
-            if list(shape) != record["shape"]:
-                mismatched.append(f"{path}: checkpoint {tuple(record['shape'])}, target {shape}")
-            typed[path] = (impl, dtype, sharding)
-            if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
-                template.append(
-                    jax.ShapeDtypeStruct(shape, np.dtype(jnp.dtype(record["dtype"])),
-                                         sharding=sharding))
-            else:
-                template.append(leaf)
-        if mismatched:
-            raise CheckpointError(
-                f"{self._where(step)} does not match the target's shapes: {mismatched}")
-        return jax.tree_util.tree_unflatten(treedef, template), typed
+def save_params(path: str | os.PathLike, params: Any, *, extra: Any = None, force: bool = False) -> None:
+    """Write `params` (a pytree of arrays: the model's weights, no optimizer state) and JSON
+    `extra` (e.g. the model config and the step they come from) as one directory `path`,
+    committed atomically (orbax writes a temporary and renames it) and verified on restore like a
+    checkpoint. An existing `path` raises CheckpointError unless `force=True`."""
+    path = os.path.abspath(os.fspath(path))
+    extra = _json_snapshot(extra, "extra")
+    meta = {"format": PARAMS_FORMAT, "extra": extra, "leaves": _records(params)}
+    if os.path.exists(path) and not force:
+        raise CheckpointError(f"parameters in {path} already exist; pass force=True to overwrite them")
+    try:
+        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as writer:
+            writer.save(path, args=ocp.args.Composite(
+                **{PARAMS_ITEM: ocp.args.StandardSave(params), META_ITEM: ocp.args.JsonSave(meta)}),
+                force=force)
+    except Exception as e:
+        raise CheckpointError(f"saving parameters to {path} failed: {e}") from e
+
+
+def params_extra(path: str | os.PathLike) -> Any:
+    """The `extra` of the parameters written by `save_params` to `path`, without reading the arrays."""
+    return _params_meta(os.path.abspath(os.fspath(path)))["extra"]
+
+
+def _params_meta(path: str) -> dict:
+    where = f"parameters in {path}"
+    if not os.path.isdir(path):
+        parent, name = os.path.split(path)
+        interrupted = os.path.isdir(parent) and any(n.startswith(name + TMP_SUFFIX) for n in os.listdir(parent))
+        hint = " (only an uncommitted temporary exists: that save was interrupted)" if interrupted else ""
+        raise CheckpointError(f"no parameters in {path}: not a directory{hint}")
+    try:
+        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as reader:
+            meta = reader.restore(path, args=ocp.args.Composite(**{META_ITEM: ocp.args.JsonRestore()}))[META_ITEM]
+    except Exception as e:
+        raise CheckpointError(
+            f"{where}: the metadata file is missing or corrupted ({type(e).__name__}: {_first_line(e)})") from e
+    return _check_meta(meta, (PARAMS_FORMAT,), where)
+
+
+def restore_params(path: str | os.PathLike, *, target: Any = None) -> tuple[Any, Any]:
+    """`(params, extra)` written by `save_params` to `path`; `target` as for `Checkpointer.restore`.
+    CheckpointError naming `path` when it is missing, not a parameter export, or corrupted."""
+    path = os.path.abspath(os.fspath(path))
+    where = f"parameters in {path}"
+    meta = _params_meta(path)
+    saved = {r["path"]: r for r in meta["leaves"]}
+    template, wanted = _template(target, saved, where) if target is not None else (None, None)
+    try:
+        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as reader:
+            restored = reader.restore(
+                path, args=ocp.args.Composite(**{PARAMS_ITEM: ocp.args.StandardRestore(template)}))[PARAMS_ITEM]
+    except Exception as e:
+        raise CheckpointError(
+            f"{where}: cannot read the arrays, files are missing or corrupted{_restore_hint(target)} "
+            f"({type(e).__name__}: {_first_line(e)})") from e
+    return _verified(restored, saved, wanted, where), meta["extra"]
 
 
 def _as_step(step: Any) -> int:

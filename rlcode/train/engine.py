@@ -61,11 +61,11 @@ from rlcode.sharding import make_mesh, rules_from_config
 from rlcode.tokenizer import Tokenizer, job_tokenizer
 from rlcode.train import memory
 from rlcode.train import sft as sft_lib
-from rlcode.train.checkpoint import Checkpointer
+from rlcode.train.checkpoint import Checkpointer, save_params
 from rlcode.train.metrics import EventWriter
 from rlcode.train.progress import Progress
 from rlcode.train.step import init_train_state, make_optimizer, make_train_step, state_shardings
-from rlcode.train.workdir import prepare_workdir
+from rlcode.train.workdir import PARAMS_DIR, prepare_workdir
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -598,6 +598,8 @@ def train(cfg: Any, job: Job, *, pool: Any = None, log: Callable[[str], None] | 
         ckpt.wait()
         if stopped == "signal":
             say(f"checkpoint at step {step} saved in {ckpt_dir}; continue with --config.resume=True")
+        elif step > 0:  # the final parameters alone, for inference (evaluate, sample, export)
+            save_params(os.path.join(workdir, PARAMS_DIR), state.params, extra={"step": step}, force=True)
         result = RunResult(workdir=workdir, steps_done=step, completed=step >= sched.steps,
                            interrupted=stopped == "signal", sft={k: v for k, v in sft_info.items() if k != "history"},
                            first_eval=first_eval, last_eval=last_eval, seconds=time.perf_counter() - t_start,

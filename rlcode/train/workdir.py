@@ -25,6 +25,8 @@ from rlcode.checks import ConfigError, flatten
 RESUME_MUTABLE = ("resume", "resume_override", "workdir", "train.steps", "train.max_minutes", "sandbox.workers",
                   "sft.cache_dir", "checkpoint.every", "checkpoint.keep")
 CONFIG_HISTORY = "config_history"
+# The final parameters alone (`rlcode.train.checkpoint.save_params`), written when a run ends.
+PARAMS_DIR = "params"
 _ABSENT = "(absent)"
 # Fields added to the configs after runs were written without them, each with the value that
 # computes what those runs computed: a run's saved config that lacks one is not "changed" by the
@@ -142,13 +144,14 @@ def prepare_workdir(cfg: Any, log: Callable[[str], None] | None = None) -> tuple
 
 def load_run_model(path: str, step: int | None = None) -> tuple[Any, Any, int]:
     """(config, model with the parameters of checkpoint `step`, step) of the run in directory
-    `path` (its config.json and checkpoints/; `step` None: the latest). ValueError naming the
-    directory when it is not a run or holds no checkpoint."""
+    `path` (its config.json, and params/ or checkpoints/; `step` None: the latest). The final
+    parameters in params/ are read when they are of the wanted step (no optimizer state to read),
+    else the checkpoint. ValueError naming the directory when it is not a run or holds neither."""
     import ml_collections  # noqa: PLC0415
     from flax import nnx  # noqa: PLC0415
 
     from rlcode.models.hf import initial_model, resolve_model_section  # noqa: PLC0415
-    from rlcode.train.checkpoint import Checkpointer  # noqa: PLC0415
+    from rlcode.train.checkpoint import Checkpointer, restore_params  # noqa: PLC0415
 
     config_path = os.path.join(path, "config.json")
     if not os.path.exists(config_path):
@@ -158,12 +161,30 @@ def load_run_model(path: str, step: int | None = None) -> tuple[Any, Any, int]:
     cfg.model = resolve_model_section(cfg.model)
     model = initial_model(cfg.model, cfg.seed)
     graphdef, state = nnx.split(model)
-    ckpt_dir = os.path.join(path, "checkpoints")
-    with Checkpointer(ckpt_dir, read_only=True) as ckpt:
-        step = ckpt.latest_step() if step is None else step
-        if step is None:
-            raise ValueError(f"{path}: no checkpoint in {ckpt_dir}")
-        restored, _ = ckpt.restore(step)
-    saved = restored["params"] if isinstance(restored, dict) else restored[1]
+    params_dir, ckpt_dir = os.path.join(path, PARAMS_DIR), os.path.join(path, "checkpoints")
+    exported = _exported_step(params_dir)
+    latest = None
+    if os.path.isdir(ckpt_dir):
+        with Checkpointer(ckpt_dir, read_only=True) as ckpt:
+            latest = ckpt.latest_step()
+    step = (latest if latest is not None else exported) if step is None else step
+    if step is None:
+        raise ValueError(f"{path}: no checkpoint in {ckpt_dir} and no {PARAMS_DIR}/")
+    if step == exported:
+        saved, _ = restore_params(params_dir)
+    else:
+        with Checkpointer(ckpt_dir, read_only=True) as ckpt:
+            restored, _ = ckpt.restore(step)
+        saved = restored["params"] if isinstance(restored, dict) else restored[1]
     nnx.replace_by_pure_dict(state, saved)
     return cfg, nnx.merge(graphdef, state), int(step)
+
+
+def _exported_step(params_dir: str) -> int | None:
+    """The step of the final parameters in `params_dir` (None when there are none)."""
+    from rlcode.train.checkpoint import params_extra  # noqa: PLC0415
+
+    if not os.path.isdir(params_dir):
+        return None
+    step = (params_extra(params_dir) or {}).get("step")
+    return step if isinstance(step, int) else None

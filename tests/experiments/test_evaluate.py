@@ -4,6 +4,7 @@ tasks; pass@k against an independent oracle; outputs only where asked."""
 import json
 import math
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -107,7 +108,7 @@ def test_bad_arguments_are_one_line_errors(argv, message, capsys):
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_the_run_policy_holds_the_checkpoints_parameters(run_dir):
+def test_the_run_policy_holds_the_checkpoints_parameters(run_dir, tmp_path):
     import jax
     from flax import nnx
 
@@ -123,6 +124,21 @@ def test_the_run_policy_holds_the_checkpoints_parameters(run_dir):
 
     init = jax.tree.leaves(nnx.to_pure_dict(nnx.split(init_model(policy_config(run_dir), 0))[1]))
     assert any(not np.array_equal(a, b) for a, b in zip(init, ours))  # trained, not the initialisation
+
+    # The run ended, so its final parameters are also in params/ (read above, as they are of the
+    # latest step); without them the checkpoint gives the same model.
+    from rlcode.train.checkpoint import params_extra
+
+    assert params_extra(run_dir / "params") == {"step": 1}
+    with pytest.MonkeyPatch.context() as mp:  # the latest step's model needs no checkpoint read
+        mp.setattr(Checkpointer, "restore", lambda *a, **k: pytest.fail("read the checkpoint"))
+        direct = jax.tree.leaves(nnx.to_pure_dict(evaluate.load_run(str(run_dir), None).params))
+    assert all(np.array_equal(a, b) for a, b in zip(direct, ours))
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    shutil.rmtree(copy / "params")
+    again = jax.tree.leaves(nnx.to_pure_dict(evaluate.load_run(str(copy), None).params))
+    assert all(np.array_equal(a, b) for a, b in zip(again, ours))
 
 
 def policy_config(run_dir):

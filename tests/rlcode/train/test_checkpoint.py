@@ -599,3 +599,82 @@ def test_async_save_holds_values_at_save_time(tmp_path, monkeypatch):
         assert np.array_equal(restored[k], expected[k]), k
     assert restored_extra == {"data": {"epoch": 0, "index": 16}}
     assert int(live["['step']"]) == 3 and not np.array_equal(live["['w']"], expected["['w']"])
+
+
+# --------------------------------------------------------------------------------------------
+# 7. Parameters alone, the previous format, orbax's own metrics
+# --------------------------------------------------------------------------------------------
+
+
+def test_params_export_round_trips_and_refuses_damage(tmp_path):
+    from rlcode.train.checkpoint import params_extra, restore_params, save_params
+
+    params = {"embed": jax.random.normal(jax.random.key(0), (64, 256)),
+              "layers": [{"w": jnp.arange(12.0).reshape(3, 4), "b": jnp.zeros(4, jnp.bfloat16)}]}
+    path = tmp_path / "params"
+    save_params(path, params, extra={"step": 7, "model": {"d": 8}})
+    assert params_extra(path) == {"step": 7, "model": {"d": 8}}
+    restored, extra = restore_params(path)
+    assert_trees_equal(restored, params) and extra["step"] == 7
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32,
+                                                         sharding=SingleDeviceSharding(jax.devices()[0])), params)
+    cast, _ = restore_params(path, target=target)
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(cast))
+    np.testing.assert_array_equal(cast["layers"][0]["b"], np.zeros(4, np.float32))
+    # The parameters and their record, no optimizer state.
+    assert {"meta", "params"} <= set(os.listdir(path)) and not any("opt" in n for n in os.listdir(path))
+
+    with pytest.raises(CheckpointError, match="already exist"):
+        save_params(path, params)
+    save_params(path, jax.tree.map(lambda x: x + 1, params), extra={"step": 8}, force=True)
+    assert params_extra(path) == {"step": 8}
+    with pytest.raises(CheckpointError, match="does not match the target"):
+        restore_params(path, target={"embed": target["embed"]})
+    with pytest.raises(CheckpointError, match=r"no parameters in .*missing"):
+        restore_params(tmp_path / "missing")
+
+    f = largest_file(path / "params")
+    data = bytearray(open(f, "rb").read())
+    data[len(data) // 2] ^= 0x10
+    open(f, "wb").write(bytes(data))
+    with pytest.raises(CheckpointError, match=r"parameters in .*params.*(checksum|cannot read)"):
+        restore_params(path)
+
+
+def test_previous_format_restores_with_its_keys_and_metrics(tmp_path):
+    """A checkpoint of the previous format (metrics in the metadata, typed keys stored as key
+    data with their implementation) written here by hand with orbax: it restores unchanged."""
+    from rlcode.train import checkpoint as ck
+
+    state = {"w": jnp.arange(6.0).reshape(2, 3), "key": jax.random.key(4), "keys": jax.random.split(
+        jax.random.key(5, impl="rbg"), 2)}
+    stored = {k: (jax.random.key_data(v) if k != "w" else v) for k, v in state.items()}
+    records = ck._records(stored)
+    for r in records:
+        r["prng_impl"] = {"key": "threefry2x32", "keys": "rbg"}.get(r["path"])
+    meta = {"format": "rlcode.checkpoint/1", "step": 3, "metrics": {"eval/pass": 0.5},
+            "extra": {"iteration": 3}, "leaves": records}
+    manager = ocp.CheckpointManager(tmp_path, options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False))
+    manager.save(3, args=ocp.args.Composite(state=ocp.args.StandardSave(stored), meta=ocp.args.JsonSave(meta)))
+    manager.close()
+
+    with Checkpointer(tmp_path, best_metric="eval/pass") as ckpt:
+        assert ckpt.metrics(3) == {"eval/pass": 0.5}
+        for target in (None, jax.eval_shape(lambda: state)):
+            restored, extra = ckpt.restore(target=target)
+            assert extra == {"iteration": 3} and restored["key"].dtype == state["key"].dtype
+            assert_trees_equal(restored, state)
+            assert np.array_equal(jax.random.normal(restored["keys"][1], (3,)),
+                                  jax.random.normal(state["keys"][1], (3,)))
+
+
+def test_metrics_are_orbaxs_own_item(tmp_path):
+    with Checkpointer(tmp_path, keep=2, best_metric="acc") as ckpt:
+        ckpt.save(1, small_state(1), metrics={"acc": 0.5, "loss": 2.0})
+        ckpt.save(2, small_state(2))
+    assert (tmp_path / "1" / "metrics" / "metrics").is_file() and not (tmp_path / "2" / "metrics").exists()
+    meta = ocp.CheckpointManager(tmp_path, options=ocp.CheckpointManagerOptions(read_only=True))
+    assert meta.metrics(1) == {"acc": 0.5, "loss": 2.0}
+    meta.close()
+    with Checkpointer(tmp_path, read_only=True) as ckpt:
+        assert ckpt.metrics(1) == {"acc": 0.5, "loss": 2.0} and ckpt.metrics(2) is None
