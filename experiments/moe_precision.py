@@ -101,7 +101,8 @@ def lm_loss(model, batch):
     return nll + sum(aux.values()), {"nll": nll, **aux}
 
 
-def train_one(precision: str, train_b, eval_b, logdir: str) -> dict:
+def train_one(precision: str, train_b, eval_b, logdir: str, settings: dict) -> dict:
+    """One run; `settings` (the run's other options) are logged as its hyperparameters."""
     steps = train_b.shape[0]
     model = init_model(model_cfg(precision), seed=_SEED.value)
     graphdef, params = nnx.split(model)
@@ -125,6 +126,7 @@ def train_one(precision: str, train_b, eval_b, logdir: str) -> dict:
     curve, evals = [], []
     t0 = time.time()
     with EventWriter(logdir) as writer:
+        writer.hparams({"precision": precision, **settings}, metrics=["train/loss", "eval/loss"])
         for s in range(steps):
             params, opt_state, parts = step(params, opt_state, jnp.asarray(train_b[s]))
             parts = {k: float(v) for k, v in parts.items()}
@@ -183,7 +185,9 @@ def main(argv):
     corpus = build_corpus(num_tasks, _SEED.value)
     train_b, eval_b = make_batches(corpus, steps, _BATCH.value, _SEQ.value, _SEED.value)
     print(f"corpus: {len(corpus)} bytes from {num_tasks} synthesis tasks; {steps} steps of {_BATCH.value}x{_SEQ.value}")
-    runs = [train_one(p, train_b, eval_b, os.path.join(_WORKDIR.value, p)) for p in _PRECISIONS.value]
+    settings = dict(steps=steps, batch=_BATCH.value, seq=_SEQ.value, lr=_LR.value, seed=_SEED.value,
+                    num_tasks=num_tasks)
+    runs = [train_one(p, train_b, eval_b, os.path.join(_WORKDIR.value, p), settings) for p in _PRECISIONS.value]
     record = dict(steps=steps, batch=_BATCH.value, seq=_SEQ.value, lr=_LR.value, seed=_SEED.value,
                   corpus_tokens=int(len(corpus)), num_tasks=num_tasks, runs=runs)
     by = {r["precision"]: r for r in runs}

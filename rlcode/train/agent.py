@@ -284,8 +284,17 @@ def plan(ctx: Context, tasks: dict) -> Plan:
                 texts=lambda b: {"rollout/episode": tok.decode(b.episodes[0].trajectory.ids)[-4000:]})
 
 
+def summary_metrics(cfg: Any) -> list[str]:
+    """The held-out success (= pass@1) and pass@n (and the fresh pool's success), the rollout
+    reward and success: the HParams tab's metric columns."""
+    out = ["eval/success", f"eval/pass@{cfg.eval.num_samples}"]
+    if cfg.task.get("num_fresh", 0) and cfg.task.get("source", "repo") != "mined":
+        out.append("eval_fresh/success")
+    return out + ["rollout/reward", "rollout/success"]
+
+
 JOB = Job(name="agent-rl", validate=validate_config, pool_timeout=lambda cfg: cfg.sandbox.timeout, setup=setup,
-          plan=plan)
+          plan=plan, summary_metrics=summary_metrics)
 
 
 def run(cfg: Any, *, pool: Any = None, log: Callable[[str], None] | None = None,

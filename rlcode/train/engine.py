@@ -6,7 +6,9 @@ the model exists, a `Plan` of three callables: collect a rollout batch, turn it 
 batch, evaluate. `train(cfg, job)` owns the rest, with one definition of every shared concern:
 
 * the run directory (`rlcode.train.workdir.prepare_workdir`: config.json, resume checks),
-  TensorBoard writer, checkpointer, sandbox pool, signals and progress bar;
+  TensorBoard writer (with the config as the run's hyperparameters, and the job's
+  `Job.summary_metrics`, for the HParams tab), checkpointer, sandbox pool, signals and progress
+  bar;
 * the warm start: SFT on the job's demonstrations (cached), merged into a fresh model, LoRA
   adapters on it when ``lora.rank`` > 0 (then only the adapters and a value head train,
   `rlcode.models.lora`), the train state on the mesh, and the reference parameters when a KL
@@ -44,7 +46,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -147,6 +149,8 @@ class Job:
       section.
     log_entropy: the train step reports the policy's entropy (one more pass over each log-prob
       chunk).
+    summary_metrics(cfg) -> the scalar tags that sum a run up, besides ``train/loss``: the metric
+      columns of TensorBoard's HParams tab, where runs are compared by their configs.
     """
 
     name: str
@@ -157,6 +161,7 @@ class Job:
     label: Callable[[Any], str] | None = None
     objective: Callable[[Any], ObjectiveConfig] | None = None
     log_entropy: bool = True
+    summary_metrics: Callable[[Any], Sequence[str]] | None = None
 
 
 @dataclasses.dataclass
@@ -472,6 +477,8 @@ def train(cfg: Any, job: Job, *, pool: Any = None, log: Callable[[str], None] | 
             resources.callback(pool.close)
         writer = EventWriter(os.path.join(workdir, "tb"))
         resources.callback(writer.close)
+        summary = list(job.summary_metrics(cfg)) if job.summary_metrics is not None else []
+        writer.hparams(cfg, metrics=["train/loss", *summary])
         ckpt = Checkpointer(ckpt_dir, keep=sched.checkpoint_keep, async_save=True)
         resources.callback(ckpt.close)
         resources.callback(lambda: progress.close() if progress is not None else None)

@@ -375,8 +375,17 @@ def plan(ctx: Context, tasks: tuple) -> Plan:
                 metrics=metrics, progress=progress, texts=texts)
 
 
+def summary_metrics(cfg: Any) -> list[str]:
+    """The held-out pass@k (and the fresh pool's pass@1), the rollout reward and pass@1: the
+    HParams tab's metric columns."""
+    out = [f"eval/pass@{k}" for k in cfg.eval.ks] + [f"eval/best_of_{cfg.eval.num_samples}"]
+    if cfg.task.get("num_fresh", 0) and cfg.task.get("source", "synth") != "humaneval":  # `build_tasks`
+        out.append("eval_fresh/pass@1")
+    return out + ["rollout/reward", "rollout/pass@1"]
+
+
 JOB = Job(name="synth", validate=validate_config, pool_timeout=lambda cfg: cfg.reward.timeout, setup=setup,
-          plan=plan, label=lambda cfg: str(cfg.objective))
+          plan=plan, label=lambda cfg: str(cfg.objective), summary_metrics=summary_metrics)
 
 
 def run(cfg: Any, *, pool: Any = None, log: Callable[[str], None] | None = None,

@@ -7,11 +7,13 @@ on Code", eq. 1): with n samples per prompt of which c are correct,
 
 the product form (their Figure 3) avoiding the huge binomials.
 
-`EventWriter` writes TensorBoard event files (scalars and text) plus a `metrics.jsonl` copy of
-the scalars; `read_scalars` / `read_jsonl` read them back for plot scripts and tests (any JSON
-lines file: `read_json_lines`, `repair_json_lines`)::
+`EventWriter` writes TensorBoard event files (scalars, text, and the run's hyperparameters for
+the HParams tab) plus a `metrics.jsonl` copy of the scalars; `read_scalars` / `read_jsonl` read
+them back for plot scripts and tests (any JSON lines file: `read_json_lines`,
+`repair_json_lines`)::
 
     with EventWriter(workdir / "tb") as writer:
+        writer.hparams(config, metrics=["eval/pass@1", "loss"])
         writer.scalars(step, {"loss": loss, "eval/pass@1": 0.25})
         writer.text(step, "samples/completion", completion)
 
@@ -40,11 +42,15 @@ import numpy as np
 from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
 from tensorboard.compat.tensorflow_stub import errors as tb_errors
 from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import PyRecordReader_New
+from tensorboard.plugins.hparams import api_pb2 as hparams_api_pb2
+from tensorboard.plugins.hparams import metadata as hparams_metadata
+from tensorboard.plugins.hparams import plugin_data_pb2 as hparams_plugin_data_pb2
+from tensorboard.plugins.hparams import summary_v2 as hparams_summary
 from tensorboard.plugins.text import metadata as text_metadata
 from tensorboard.summary.writer.record_writer import RecordWriter
 
-__all__ = ["pass_at_k", "eval_summary", "EventWriter", "read_scalars", "read_jsonl", "read_json_lines",
-           "repair_json_lines", "JSONL_NAME"]
+__all__ = ["pass_at_k", "eval_summary", "EventWriter", "flatten_hparams", "read_scalars", "read_jsonl",
+           "read_json_lines", "repair_json_lines", "JSONL_NAME"]
 
 JSONL_NAME = "metrics.jsonl"
 # TensorBoard lists a file as an event file when its name contains "tfevents".
@@ -178,6 +184,39 @@ class EventWriter:
         event.summary.value.add(tag=tag, tensor=tensor, metadata=text_metadata.create_summary_metadata("", ""))
         self._write(event)
 
+    def hparams(self, hparams: Any, metrics: Sequence[str] = ()) -> dict[str, bool | int | float | str]:
+        """Log the run's hyperparameters for TensorBoard's HParams tab, which tables and plots
+        the runs of a log directory against each other by them and by `metrics`.
+
+        hparams: the run's config, nested (an `ml_collections.ConfigDict` or a mapping), flattened
+          by `flatten_hparams`. metrics: the scalar tags this run logs that sum it up (e.g.
+          "eval/pass@1", "train/loss"): the tab's metric columns, each the tag's last value.
+        Writes the hparams plugin's two summaries in one event at step 0: the session start (the
+        values; `summary_v2.hparams_pb`) and the experiment (each hyperparameter's name and type,
+        with no domain beyond a bool's two values, so that no other run's values fall outside it;
+        and the metrics). TensorBoard takes the experiment summary of one run of the log directory
+        for all of them, so runs meant to be compared share their config's fields and metrics.
+        Returns the flat values.
+        """
+        values = flatten_hparams(hparams)
+        now = time.time()
+        start = hparams_summary.hparams_pb(values, start_time_secs=now)
+        api = hparams_api_pb2
+        types = {bool: api.DATA_TYPE_BOOL, str: api.DATA_TYPE_STRING}  # ints and floats: FLOAT64
+        experiment = api.Experiment(metric_infos=[api.MetricInfo(name=api.MetricName(tag=tag)) for tag in metrics],
+                                    time_created_secs=now)
+        for name, value in sorted(values.items()):
+            info = experiment.hparam_infos.add(name=name, type=types.get(type(value), api.DATA_TYPE_FLOAT64))
+            if isinstance(value, bool):
+                info.domain_discrete.extend([False, True])  # the whole domain: the tab's two check boxes
+        plugin_data = hparams_plugin_data_pb2.HParamsPluginData(experiment=experiment)
+        event = event_pb2.Event(wall_time=now, step=0)
+        event.summary.value.add(tag=hparams_metadata.EXPERIMENT_TAG, tensor=hparams_metadata.NULL_TENSOR,
+                                metadata=hparams_metadata.create_summary_metadata(plugin_data))
+        event.summary.value.extend(start.value)
+        self._write(event)
+        return values
+
     def flush(self) -> None:
         if not self._closed:
             self._events.flush()
@@ -194,6 +233,25 @@ class EventWriter:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def flatten_hparams(config: Any) -> dict[str, bool | int | float | str]:
+    """Dotted path -> value of every leaf of a nested config (`ml_collections.ConfigDict`,
+    through its `to_dict()`, or a mapping), as the HParams tab takes them: bools, ints, floats and
+    strings (numpy scalars as their Python equal) are kept, anything else (a list, None, a
+    non-finite float) becomes its `str`. An empty section has no leaves and is left out."""
+    from rlcode.checks import flatten  # noqa: PLC0415 (imports jax; only writers of hparams need it)
+
+    if hasattr(config, "to_dict"):
+        config = config.to_dict()
+    out: dict[str, bool | int | float | str] = {}
+    for name, value in flatten(config).items():
+        if isinstance(value, np.generic):
+            value = value.item()
+        if isinstance(value, float) and not math.isfinite(value):
+            value = str(value)  # the tab's JSON has no NaN or infinity
+        out[name] = value if isinstance(value, (bool, int, float, str)) else str(value)
+    return out
 
 
 # --------------------------------------------------------------------------------------------

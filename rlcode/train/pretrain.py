@@ -328,7 +328,8 @@ def plan(ctx: Context, data: tuple[PackedCorpus, PackedCorpus]) -> Plan:
 
 
 JOB = Job(name="pretrain", validate=validate_config, pool_timeout=lambda cfg: None, setup=setup, plan=plan,
-          objective=lambda cfg: SFT_OBJECTIVE, log_entropy=False)
+          objective=lambda cfg: SFT_OBJECTIVE, log_entropy=False,
+          summary_metrics=lambda cfg: ["heldout/bpb", "heldout/nll", "train/bpb"])
 
 
 def run(cfg: Any, *, log: Callable[[str], None] | None = None, hooks: dict[str, Callable] | None = None) -> RunResult:

@@ -257,6 +257,8 @@ def test_agent_job_end_to_end_and_report(tmp_path):
     assert result.completed and result.steps_done == 1
     for key in ("eval_fresh/success", "eval/success", "eval_fresh/pass@1", "eval/best_of_2"):
         assert key in result.first_eval and key in result.last_eval
+    logged = {k for r in read_jsonl(os.path.join(cfg.workdir, "tb")) for k in r}
+    assert [t for t in agent.JOB.summary_metrics(cfg) if t not in logged] == []  # the HParams tab's metrics
     rows = [r for r in read_jsonl(os.path.join(cfg.workdir, "tb")) if "rollout/success" in r]
     assert len(rows) == 1
     m = rows[0]

@@ -14,10 +14,12 @@ import os
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tensorboard.backend.event_processing import plugin_event_accumulator
+from tensorboard.plugins.hparams import metadata as hparams_metadata
 
 from rlcode.train import agent, engine, loop
 from rlcode.train.checkpoint import Checkpointer
-from rlcode.train.metrics import read_scalars
+from rlcode.train.metrics import flatten_hparams, read_scalars
 from support import tiny_job
 
 B, T = 8, 16  # prompts_per_step x group_size of the tiny config, tokens per row
@@ -76,7 +78,7 @@ class FakeJob:
 
     def job(self):
         return engine.Job(name="fake", validate=loop.validate_config, pool_timeout=lambda cfg: 1.0,
-                          setup=self.setup, plan=self.plan)
+                          setup=self.setup, plan=self.plan, summary_metrics=lambda cfg: ["eval/pass@1"])
 
 
 def config(tmp_path, steps=3, **overrides):
@@ -163,12 +165,23 @@ def test_what_the_job_opened_is_closed_when_a_step_raises(tmp_path):
     assert job.opened is not None and job.opened.closed
 
 
-def test_scalars_texts_and_per_element_metrics_are_logged(tmp_path):
-    run(config(tmp_path, steps=2, eval__every=0), FakeJob())
+def test_scalars_texts_hparams_and_per_element_metrics_are_logged(tmp_path):
+    cfg = config(tmp_path, steps=2, eval__every=0)
+    run(cfg, FakeJob())
     scalars = read_scalars(tmp_path / "run" / "tb")
     for tag in ("train/loss", "train/grad_norm", "rollout/reward", "time/rl_minutes", "train/tokens",
                 "async/staleness"):
         assert [s for s, _ in scalars[tag]] == [1, 2], tag
+    # The config as the run's hyperparameters, the job's summary metrics after train/loss.
+    acc = plugin_event_accumulator.EventAccumulator(str(tmp_path / "run" / "tb"), size_guidance={"tensors": 0})
+    acc.Reload()
+    content = acc.PluginTagToContent("hparams")
+    start = hparams_metadata.parse_session_start_info_plugin_data(content[hparams_metadata.SESSION_START_INFO_TAG])
+    want = flatten_hparams(cfg)
+    assert want["train.steps"] == 2 and want["workdir"] == str(tmp_path / "run")
+    assert {name: getattr(v, v.WhichOneof("kind")) for name, v in start.hparams.items()} == want
+    experiment = hparams_metadata.parse_experiment_plugin_data(content[hparams_metadata.EXPERIMENT_TAG])
+    assert [m.name.tag for m in experiment.metric_infos] == ["train/loss", "eval/pass@1"]
     assert engine.mean_metrics({"load": [np.array([1.0, 3.0]), np.array([3.0, 5.0])], "loss": [1.0, 2.0]}) == {
         "load/0": 2.0, "load/1": 4.0, "loss": 1.5}
 

@@ -180,6 +180,8 @@ def test_job_runs_logs_checkpoints_and_resumes(tmp_path, pool):
     scalars = read_scalars(tmp_path / "run" / "tb")
     missing = [t for t in REQUIRED_TAGS if t not in scalars]
     assert not missing, missing
+    # The HParams tab's metric columns are tags the job logs.
+    assert [t for t in loop.JOB.summary_metrics(cfg) if t not in scalars] == []
     assert [s for s, _ in scalars["train/loss"]] == [1, 2, 3]
     assert [s for s, _ in scalars["eval/pass@1"]] == [0, 2, 3]  # start, every 2, end
     for tag in ("eval/pass@1", "eval/best_of_4", "rollout/pass@1"):

@@ -17,10 +17,13 @@ from fractions import Fraction
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import ml_collections
 from tensorboard.backend.event_processing import plugin_event_accumulator
+from tensorboard.plugins.hparams import api_pb2 as hparams_api
+from tensorboard.plugins.hparams import metadata as hparams_metadata
 
-from rlcode.train.metrics import (EventWriter, eval_summary, pass_at_k, read_json_lines, read_jsonl, read_scalars,
-                                  repair_json_lines)
+from rlcode.train.metrics import (EventWriter, eval_summary, flatten_hparams, pass_at_k, read_json_lines, read_jsonl,
+                                  read_scalars, repair_json_lines)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -151,6 +154,46 @@ def test_text_summary_for_the_text_tab(tmp_path):
     assert event.step == 7
     assert event.tensor_proto.string_val[0].decode("utf-8") == text
     assert list(read_scalars(tmp_path)) == ["loss"]  # text is not a scalar
+
+
+def test_hparams_for_the_hparams_tab(tmp_path):
+    config = ml_collections.ConfigDict({
+        "seed": 3, "resume": False, "scale": np.float32(0.5), "budget": float("inf"),
+        "optim": {"lr": 1e-3, "betas": [0.9, 0.95], "schedule": {"name": "cosine", "warmup": 10}},
+        "model": {"init_from": None, "dtype": "bfloat16"}, "eval": {"ks": (1, 4, 16)}, "lora": {},
+    })
+    want = {"seed": 3, "resume": False, "scale": 0.5, "budget": "inf", "optim.lr": 1e-3, "optim.betas": "[0.9, 0.95]",
+            "optim.schedule.name": "cosine", "optim.schedule.warmup": 10, "model.init_from": "None",
+            "model.dtype": "bfloat16", "eval.ks": "(1, 4, 16)"}
+    with EventWriter(tmp_path) as writer:
+        assert writer.hparams(config, metrics=["eval/pass@1", "train/loss"]) == want
+        writer.scalars(1, {"eval/pass@1": 0.25, "train/loss": 2.0})
+    assert flatten_hparams(config.to_dict()) == want  # a plain nested mapping flattens alike
+    assert all(type(v) in (bool, int, float, str) for v in want.values())
+
+    # TensorBoard's own reader finds the hparams plugin's two summaries and parses them.
+    acc = accumulator(tmp_path)
+    content = acc.PluginTagToContent("hparams")
+    assert set(content) == {hparams_metadata.EXPERIMENT_TAG, hparams_metadata.SESSION_START_INFO_TAG}
+    start = hparams_metadata.parse_session_start_info_plugin_data(content[hparams_metadata.SESSION_START_INFO_TAG])
+    got = {}
+    for name, value in start.hparams.items():
+        kind = value.WhichOneof("kind")
+        got[name] = {"bool_value": value.bool_value, "number_value": value.number_value,
+                     "string_value": value.string_value}[kind]
+        assert kind == {bool: "bool_value", str: "string_value"}.get(type(want[name]), "number_value"), name
+    assert got == want
+    assert start.start_time_secs == pytest.approx(time.time(), abs=60)
+    experiment = hparams_metadata.parse_experiment_plugin_data(content[hparams_metadata.EXPERIMENT_TAG])
+    assert [m.name.tag for m in experiment.metric_infos] == ["eval/pass@1", "train/loss"]
+    infos = {info.name: info for info in experiment.hparam_infos}
+    assert sorted(infos) == sorted(want)
+    assert infos["resume"].type == hparams_api.DATA_TYPE_BOOL and list(infos["resume"].domain_discrete) == [False, True]
+    assert infos["optim.lr"].type == infos["seed"].type == hparams_api.DATA_TYPE_FLOAT64
+    assert infos["eval.ks"].type == hparams_api.DATA_TYPE_STRING
+    assert not infos["optim.lr"].HasField("domain_interval") and not infos["eval.ks"].domain_discrete
+    # The hparams event holds no scalar.
+    assert list(read_scalars(tmp_path)) == ["eval/pass@1", "train/loss"]
 
 
 def test_resumed_run_keeps_last_written(tmp_path):
@@ -292,6 +335,7 @@ def test_tensorflow_is_never_imported(tmp_path):
         with EventWriter({str(tmp_path / "logs")!r}) as w:
             w.scalars(1, {{"loss": 0.5, **eval_summary(np.ones((2, 16), bool))}})
             w.text(1, "note", "hello")
+            w.hparams({{"optim": {{"lr": 0.1}}, "ks": [1, 4]}}, metrics=["loss"])
         assert read_scalars({str(tmp_path / "logs")!r})["pass@1"] == [(1, 1.0)]
         assert read_jsonl({str(tmp_path / "logs")!r})[0]["loss"] == 0.5
         print("tensorflow" in sys.modules)

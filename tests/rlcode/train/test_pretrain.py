@@ -175,7 +175,7 @@ def test_job_learns_logs_resumes_exactly_and_exports(tmp_path):
     assert result.completed and result.steps_done == 6
     scalars = read_scalars(tmp_path / "full" / "tb")
     for tag in ("train/bpb", "heldout/bpb", "heldout/nll", "heldout/copy_first_nll", "heldout/copy_repeat_nll",
-                "data/epoch", "data/tokens", "throughput/train_tokens_per_s"):
+                "data/epoch", "data/tokens", "throughput/train_tokens_per_s", *pretrain.JOB.summary_metrics(full)):
         assert tag in scalars, tag
     assert [s for s, _ in scalars["heldout/bpb"]] == [0, 3, 6]
     heldout = [v for _, v in scalars["heldout/bpb"]]
