@@ -1,7 +1,11 @@
-"""rlcode.train.progress: exact lines, throttling and ETA under a hand-driven clock, for a log
-file (not a TTY) and a terminal (TTY)."""
+"""rlcode.train.progress: under a hand-driven clock, the exact lines, throttling and ETA of the
+log mode (a stream that is not a TTY: plain lines, no carriage return), and tqdm's bar redrawn in
+place on a terminal (TTY), with messages through tqdm.write in both."""
 
 import io
+import os
+import re
+import sys
 
 import numpy as np
 import pytest
@@ -80,27 +84,90 @@ def test_eta_of_a_resumed_run_counts_only_this_process():
     clock.t += 3590.0
     progress.update(911)  # 3600 s for 11 steps, 89 left: 29127 s
     assert out.getvalue().splitlines()[-1].endswith("elapsed 1h00m ETA 8h05m")
+    # tqdm's bar on a terminal shows the same ETA.
+    clock, term = Clock(), Terminal()
+    progress = Progress(1000, desc="train", stream=term, start=900, clock=clock)
+    clock.t += 10.0
+    progress.update(910)
+    assert term.getvalue().split("\r")[-1].endswith("| 910/1000 [00:10<01:30,  1.00step/s]")
 
 
-def test_terminal_redraws_one_line():
+def test_log_messages_go_through_tqdm_write_and_nothing_is_redrawn():
+    clock, out = Clock(), io.StringIO()
+    progress = Progress(3, desc="sft", stream=out, min_interval=10.0, clock=clock)
+    progress.write("before the first step")
+    clock.t += 1.0
+    progress.update(1, nll=2.5)  # the first step: printed at once
+    clock.t += 1.0
+    progress.update(2, nll=1.25)  # within min_interval: not printed ...
+    progress.write("eval @ 2: pass@1=0.5")  # ... until a message, which it follows
+    progress.write("another message")  # nothing new to print after this one
+    clock.t += 1.0
+    progress.update(3, nll=1.0)  # the last step
+    progress.close()
+    assert out.getvalue().splitlines() == [
+        "before the first step",
+        "sft 1/3 [######--------------] nll=2.5 elapsed 0m01s ETA 0m02s",
+        "eval @ 2: pass@1=0.5",
+        "sft 2/3 [#############-------] nll=1.25 elapsed 0m02s ETA 0m01s",
+        "another message",
+        "sft 3/3 [####################] nll=1 elapsed 0m03s ETA 0m00s",
+    ]
+    assert "\r" not in out.getvalue()
+
+
+def test_terminal_gets_tqdms_bar_redrawn_in_place():
     clock, term = Clock(), Terminal()
     progress = Progress(4, desc="eval", stream=term, clock=clock)
     clock.t += 1.0
-    progress.update(1, note="a-long-field-value")
-    first = "eval 1/4 [#####---------------] note=a-long-field-value elapsed 0m01s ETA 0m03s"
-    assert term.getvalue() == "\r" + first
+    progress.update(1, note="a-long-field-value", loss=np.float32(0.123456))
     clock.t += 0.01  # redrawn even within min_interval
     progress.update(2, note="b")
-    second = "eval 2/4 [##########----------] note=b elapsed 0m01s ETA 0m01s"
-    # Spaces blank out what the longer first line left behind.
-    assert term.getvalue() == "\r" + first + "\r" + second + " " * (len(first) - len(second))
-    mark = len(term.getvalue())
+    out = term.getvalue()
+    assert "\n" not in out  # one line, drawn again after each carriage return
+    created, first, second = out.split("\r")[1:]
+    # tqdm's bar: percentage, bar, count, elapsed<remaining, rate, then the fields in their order
+    # (1 s for the first step, 3 left: 3 s).
+    bar = r"\|[ #0-9]+\|"
+    assert re.fullmatch(r"eval:   0%" + bar + r" 0/4 \[00:00<\?, \?step/s\]", created)
+    stats = r" 1/4 \[00:01<00:03,  1\.00step/s, note=a-long-field-value, loss=0\.123\]"
+    assert re.fullmatch(r"eval:  25%" + bar + stats, first)
+    # The fields are merged; spaces blank out what the longer first line left behind.
+    assert re.fullmatch(r"eval:  50%" + bar + r" 2/4 \[00:01<00:01, +[0-9.]+step/s, note=b, loss=0\.123\] +", second)
+    assert len(second) == len(first)
+    second = second.rstrip()
+    mark = len(out)
     progress.write("a message")
-    # The bar's characters are blanked (the rest of the line already is), then drawn again below.
-    assert term.getvalue()[mark:] == "\r" + " " * len(second) + "\r" + "a message\n" + "\r" + second
+    # tqdm.write: the bar is blanked, the message printed on its own line, the bar drawn again.
+    cleared, drawn = term.getvalue()[mark:].split("a message\n")
+    assert cleared.strip(" \r") == "" and drawn == "\r" + second
     progress.close()
     progress.close()
-    assert term.getvalue().endswith(second + "\n") and "\n" not in term.getvalue()[:mark]
+    assert term.getvalue().endswith(second + "\n") and term.getvalue().count("\n") == 2
+
+
+def test_a_terminal_of_size_zero_gets_the_log_lines(monkeypatch):
+    # A new pseudo-terminal has no size, like those some job runners allocate; tqdm would draw
+    # nothing on it. As stderr (the default stream), tqdm also reads its width (-1) for the lines.
+    leader, follower = os.openpty()
+
+    class SizelessTerminal(Terminal):
+        def fileno(self):
+            return follower
+
+    try:
+        assert os.get_terminal_size(follower) == (0, 0)
+        term = SizelessTerminal()
+        monkeypatch.setattr(sys, "stderr", term)
+        clock = Clock()
+        with Progress(2, desc="eval", clock=clock) as progress:
+            clock.t += 1.0
+            progress.update(1)
+            progress.write("a message")
+    finally:
+        os.close(leader)
+        os.close(follower)
+    assert term.getvalue() == "eval 1/2 [##########----------] elapsed 0m01s ETA 0m01s\na message\n"
 
 
 def test_rejects_bad_arguments_and_updates_after_close():
