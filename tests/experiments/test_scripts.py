@@ -65,7 +65,9 @@ def test_bench_logprobs_quick(tmp_path):
 def test_bench_scoring_quick(tmp_path):
     """Scoring the loss positions only gives the same log-probs and loss as scoring all of them."""
     path = tmp_path / "bench.json"
-    stdout = run("experiments.bench_scoring", "--quick", f"--out={path}")
+    # The synthesis job's model cut to one layer: the equality checked here does not depend on size.
+    stdout = run("experiments.bench_scoring", "--quick", "--config=configs/grpo_synth.py", "--config.model.num_layers=1",
+                 f"--out={path}")
     assert "| train |" in stdout
     result = json.loads(path.read_text())
     assert result["max_logp_diff"] < 1e-5 and result["score_index_width"] < result["length"]
