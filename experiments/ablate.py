@@ -7,9 +7,13 @@ then a results table (mean ± std over seeds) and overlaid learning curves.
         --seeds=2 --set train.steps=30 --set eval.every=10
     python -m experiments.ablate --config=configs/grpo_synth.py:loss=dapo \\
         --sweep=rollout.group_size:4,8,16 --sweep=model.attention.kind:dense,squid --seed_list=0,2
+    python -m experiments.ablate --config=configs/grpo_synth.py --sweep=loss:grpo,dapo --seeds=3 \\
+        --launcher=ray --ray_address=auto --gpus_per_run=1
 
 Each run is ``python -m experiments.train --config=<file>[:<arg>] --config.<field>=<value> ...
---config.seed=<s> --config.workdir=<out_dir>/<label>/seed<s>``, run one after the other.
+--config.seed=<s> --config.workdir=<out_dir>/<label>/seed<s>``, run one after the other
+(``--launcher=local``, the default) or, with ``--launcher=ray``, as Ray tasks running side by side
+(see "On a Ray cluster" below).
 
 Sweeps (``--sweep=KEY:V1,V2,...``; several flags make their cartesian product). KEY is
 
@@ -45,6 +49,26 @@ goes on (the exit status is then 1). Ctrl-C (or SIGTERM) stops the current run w
 and exits with status 130. ``--dry_run`` prints the commands; ``--table_only`` rebuilds the table
 and figure from the run directories without running anything.
 
+On a Ray cluster (``pip install -e ".[distributed]"``): ``--launcher=ray`` runs each run's command,
+the same as above, in a Ray task that asks for ``--cpus_per_run`` CPUs (default 1) and
+``--gpus_per_run`` GPUs (default 0; a run given GPUs sees only those, through
+CUDA_VISIBLE_DEVICES), so Ray starts as many runs at once as the cluster has room for (submitted in
+the grid's order). Without ``--ray_address`` a Ray instance is started on this machine for the grid
+(with all its CPUs and GPUs) and stopped at the end. Across machines: ``ray start --head`` on one,
+``ray start --address=<head>:6379`` on each of the others, then ``--ray_address=auto`` on the head
+(or ``<head>:6379``, or ``ray://<head>:10001`` from a machine outside the cluster). Every node
+needs the checkout and its Python environment at the same path, and ``--out_dir`` on a file
+system all of them share: a task works in the directory ablate was started from, and the table
+is read from the run directories. A run sees the environment of its Ray worker (the variables set
+where the Ray instance or ``ray start`` was started). A line is printed as each run ends. A run
+whose worker or node is lost (Ray reports the task failed by the system: the worker crashed, the
+node died) is started again, resuming, up to ``--max_retries`` times (default 3), then recorded as
+failed; a run whose command exits non-zero is recorded as failed, as above, and not retried.
+Resuming, Ctrl-C (one SIGINT to each running run; the waiting ones are cancelled), the run
+directories, the table and the recorded command (which leaves out the launcher's flags) are as
+with the local launcher. An address nothing answers at, or a run needing more than any node has,
+is an error before any run starts.
+
 Writes into the runs' directory (``--out_dir``, default runs/ablate/<name>/) by default, so a
 trial never replaces the committed tables; ``--publish`` writes results/ and docs/figures/ instead,
 ``--results_dir`` / ``--fig_dir`` any other directories (the PNG next to the JSON unless
@@ -74,6 +98,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import csv
 import dataclasses
 import difflib
@@ -478,10 +503,40 @@ class Interrupted(Exception):
     """The user stopped the grid (Ctrl-C or SIGTERM)."""
 
 
-def execute(run: Run, cmd: Sequence[str], say=print) -> dict:
+# What a Ray task's `execute` starts the command through, to give it the state a shell would. (1)
+# It dies with the worker (Linux's parent-death signal, kept across exec): a worker or node that
+# is lost leaves no process behind to race the retry for the run directory. (2) Signals are
+# unblocked: Ray's workers block SIGINT, and a child inherits that, so the run would never see
+# the one SIGINT that stops it with a checkpoint. Then it execs the command: same process, same argv.
+IN_RAY_TASK = """\
+import ctypes, os, signal, sys
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+except (OSError, AttributeError):
+    pass  # not Linux: no such signal
+if os.getppid() != int(sys.argv[1]):
+    os._exit(1)  # the parent died before the signal was armed
+signal.pthread_sigmask(signal.SIG_SETMASK, ())
+signal.signal(signal.SIGINT, signal.SIG_DFL)
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
+
+
+def _wait(proc: subprocess.Popen) -> int:
+    """proc.wait(), in short slices: a KeyboardInterrupt that is raised in this thread without a
+    signal (how Ray cancels a running task) is delivered within a fraction of a second."""
+    while True:
+        try:
+            return proc.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def execute(run: Run, cmd: Sequence[str], say=print, in_ray_task: bool = False) -> dict:
     """Run `cmd` with its output appended to <workdir>/log.txt; Ctrl-C sends the child one SIGINT
     (it checkpoints and exits), a second one kills it, then Interrupted is raised. Returns (and
-    writes to <workdir>/ablate_status.json) {"status", "returncode", "seconds", "log_tail"}."""
+    writes to <workdir>/ablate_status.json) {"status", "returncode", "seconds", "log_tail"}.
+    `in_ray_task`: the child is started through IN_RAY_TASK (it dies with this process)."""
     os.makedirs(run.workdir, exist_ok=True)
     with open(os.path.join(run.workdir, "command.txt"), "w") as f:
         f.write(shlex.join(cmd) + "\n")
@@ -494,17 +549,18 @@ def execute(run: Run, cmd: Sequence[str], say=print) -> dict:
         log.flush()
         # Its own session: a terminal's Ctrl-C reaches only this process, which forwards exactly
         # one SIGINT (a second signal would make the job abort without its checkpoint).
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        argv = [sys.executable, "-c", IN_RAY_TASK, str(os.getpid()), *cmd] if in_ray_task else list(cmd)
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
         try:
-            returncode = proc.wait()
+            returncode = _wait(proc)
         except KeyboardInterrupt:
             interrupted = True
             say(f"  interrupted: stopping {run.label} seed {run.seed} (it saves a checkpoint); "
                 "Ctrl-C again kills it")
             try:
                 proc.send_signal(signal.SIGINT)
-                returncode = proc.wait()
+                returncode = _wait(proc)
             except KeyboardInterrupt:
                 proc.kill()
                 returncode = proc.wait()
@@ -540,6 +596,284 @@ def run_status(workdir: str) -> dict:
     except (OSError, ValueError):
         pass
     return {"status": "incomplete" if os.path.isdir(workdir) else "missing"}
+
+
+# ------------------------------------------------------------------------------ launchers
+
+
+LAUNCHERS = ("local", "ray")
+RAY_FLAGS = ("--ray_address", "--cpus_per_run", "--gpus_per_run", "--max_retries")
+LAUNCH_FLAGS = ("--launcher", *RAY_FLAGS)  # left out of the recorded command
+DEFAULT_MAX_RETRIES = 3
+CONNECT_TIMEOUT = 5.0  # seconds to reach a cluster's address before ray.init is tried
+
+
+def prepare(run: Run, config_path: str, train_module: str) -> tuple[str, list[str]]:
+    """(run_state, command) of a run about to start: a started run is continued with resume=True."""
+    state = run_state(run.workdir)
+    return state, run_command(run, config_path, state == "started", train_module)
+
+
+def report(head: str, info: dict, say) -> bool:
+    """Print the line of a finished run (with the log tail of a failure); True when it completed."""
+    minutes = info["seconds"] / 60
+    if info["status"] == "completed":
+        say(f"{head}: completed in {minutes:.1f} min")
+        return True
+    why = f"exit {info['returncode']}" if info.get("returncode") is not None else info.get("error", "lost")
+    say(f"{head}: FAILED ({why}) after {minutes:.1f} min; last lines:\n"
+        + textwrap.indent(info["log_tail"][-2000:], "    "))
+    return False
+
+
+def launch_local(runs: Sequence[Run], config_path: str, train_module: str, say) -> int:
+    """Run the grid here, one run after the other. Returns the number of failed runs."""
+    t_grid = time.perf_counter()
+    failed = 0
+    for i, run in enumerate(runs, 1):
+        head = f"[{i}/{len(runs)}] {run.label} seed {run.seed}"
+        state, cmd = prepare(run, config_path, train_module)
+        if state == "completed":
+            say(f"{head}: completed before, skipped")
+            continue
+        elapsed = (time.perf_counter() - t_grid) / 60
+        say(f"{head}: {'resuming' if state == 'started' else 'starting'} (grid elapsed {elapsed:.1f} min; "
+            f"log {os.path.join(run.workdir, 'log.txt')})")
+        failed += not report(head, execute(run, cmd, say), say)
+    return failed
+
+
+def import_ray() -> Any:
+    """The ray module, or AblationError saying how to install it."""
+    try:
+        import ray  # noqa: PLC0415
+    except ImportError as e:
+        raise AblationError(f"--launcher=ray needs the ray package ({e}); install it with "
+                            "pip install -e \".[distributed]\"") from None
+    return ray
+
+
+def check_ray_address(address: str) -> str:
+    """`address` as given to --ray_address: '' (a local instance), 'auto', HOST:PORT or
+    ray://HOST:PORT. Returns it, or raises AblationError."""
+    if address in ("", "auto"):
+        return address
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise AblationError(f"--ray_address={address!r}: expected auto, HOST:PORT or ray://HOST:PORT "
+                            "(empty: start a Ray instance on this machine)")
+    return address
+
+
+def _reach(address: str, target: str) -> None:
+    """Open (and close) a TCP connection to `target` (HOST:PORT, or ray://HOST:PORT): ray.init
+    retries an address nothing listens on for minutes, this says so at once."""
+    import socket  # noqa: PLC0415
+
+    host, _, port = target.removeprefix("ray://").rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT).close()
+    except (OSError, ValueError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e) or type(e).__name__
+        via = "" if target == address else f" (found at {target})"
+        raise AblationError(f"--ray_address={address}: cannot reach the Ray cluster{via}: {reason}; is its head "
+                            "node up (ray start --head)?") from None
+
+
+def _cluster_target(address: str) -> str | None:
+    """The HOST:PORT that 'auto' would connect to (RAY_ADDRESS, else the cluster `ray start`
+    last started here), or None when Ray cannot tell."""
+    env = os.environ.get("RAY_ADDRESS", "")
+    if env and env not in ("auto", "local"):
+        return env
+    try:
+        from ray._private.services import canonicalize_bootstrap_address  # noqa: PLC0415
+    except ImportError:
+        return None
+    try:
+        return canonicalize_bootstrap_address(address)
+    except ConnectionError:
+        raise AblationError(f"--ray_address={address}: no running Ray cluster found; start one (ray start --head) "
+                            "or give its HOST:PORT") from None
+    except Exception:  # noqa: BLE001 (Ray's resolution changed: leave it to ray.init)
+        return None
+
+
+def check_ray(address: str) -> Any:
+    """The ray module, once it is known to be installed and the cluster at `address` (not '', a
+    local instance) to be listening; else AblationError. Cheap: before anything is built or run."""
+    ray = import_ray()
+    if address and not ray.is_initialized():
+        target = _cluster_target(address) if address == "auto" else address
+        if target:
+            _reach(address, target)
+    return ray
+
+
+@contextlib.contextmanager
+def ray_connection(address: str):
+    """The connection runs are launched through. A process already connected to Ray (a program
+    that calls `main` after ray.init) keeps its connection; else '' starts a Ray instance on this
+    machine for the grid and stops it afterwards, and 'auto', HOST:PORT or ray://HOST:PORT
+    connects to a running cluster (and disconnects afterwards). Yields the ray module; raises
+    AblationError (one line) when ray is missing or the cluster cannot be reached."""
+    import logging  # noqa: PLC0415
+
+    ray = check_ray(address)
+    if ray.is_initialized():
+        yield ray
+        return
+    if not address:
+        kwargs = {"address": "local", "include_dashboard": False, "log_to_driver": False,
+                  "logging_level": logging.WARNING}
+    elif address.startswith("ray://"):
+        kwargs = {"address": address}
+    else:
+        kwargs = {"address": address, "log_to_driver": False, "logging_level": logging.WARNING}
+    sigterm = signal.getsignal(signal.SIGTERM)  # ray.init installs its own handler
+    try:
+        ray.init(**kwargs)
+    except Exception as e:  # noqa: BLE001 (any failure to connect is the user's to fix)
+        signal.signal(signal.SIGTERM, sigterm)
+        lines = [line for line in str(e).splitlines() if line.strip()]
+        where = f"--ray_address={address}" if address else "a local Ray instance"
+        raise AblationError(f"{where}: ray.init failed: {type(e).__name__}: {lines[0] if lines else ''}") from None
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+        signal.signal(signal.SIGTERM, sigterm)
+
+
+def ray_capacity(ray: Any, cpus: float, gpus: float) -> tuple[str, int]:
+    """(a description of the cluster, how many runs of `cpus` CPUs and `gpus` GPUs fit on it at
+    once). Raises AblationError when no node can hold one run (Ray would wait forever)."""
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    fits = sum(int(min(r.get("CPU", 0) // cpus if cpus else math.inf, r.get("GPU", 0) // gpus if gpus else math.inf))
+               for r in nodes if r.get("CPU", 0) >= cpus and r.get("GPU", 0) >= gpus)
+    total_cpu, total_gpu = (sum(r.get(k, 0) for r in nodes) for k in ("CPU", "GPU"))
+    about = f"{len(nodes)} node(s), {total_cpu:g} CPUs, {total_gpu:g} GPUs"
+    if not fits:
+        largest = ", ".join(sorted({f"{r.get('CPU', 0):g} CPUs + {r.get('GPU', 0):g} GPUs" for r in nodes})) or "none"
+        raise AblationError(f"no node of the Ray cluster ({about}) has {cpus:g} CPU(s) and {gpus:g} GPU(s) for one "
+                            f"run (its nodes: {largest}); lower --cpus_per_run / --gpus_per_run")
+    return about, fits
+
+
+def run_in_ray_task(run: dict, cmd: list[str], cwd: str) -> dict:
+    """The body of a run's Ray task: `execute` from `cwd`, the directory ablate was started in
+    (the checkout, at the same path on every node), the run's process tied to this worker."""
+    import socket  # noqa: PLC0415
+
+    try:
+        os.chdir(cwd)
+    except OSError as e:
+        raise RuntimeError(f"node {socket.gethostname()}: cannot enter {cwd} ({e.strerror}); every node needs "
+                           "the checkout at the same path") from None
+    return execute(Run(**run), cmd, in_ray_task=True)
+
+
+def record_lost(run: Run, error: str, seconds: float) -> dict:
+    """Record (in <workdir>/ablate_status.json, as `execute` records a failure) a run whose Ray
+    task was lost more often than --max_retries allows."""
+    log_path = os.path.join(run.workdir, "log.txt")
+    tail = log_tail(log_path)
+    info = {"status": "failed", "returncode": None, "seconds": seconds, "error": error,
+            "log_tail": (tail + "\n" if tail else "") + f"ablate: the run's Ray task was lost: {error}"}
+    os.makedirs(run.workdir, exist_ok=True)
+    with open(os.path.join(run.workdir, STATUS_FILE), "w") as f:
+        json.dump(info, f, indent=1)
+    return info
+
+
+def _ray_error(e: Exception) -> str:
+    """One line: the exception's type and first line (for an exception the task itself raised,
+    that one's: the wrapper's first line only names the task)."""
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, BaseException) and cause is not e:
+        e = cause
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    return f"{type(e).__name__}: {lines[0].strip() if lines else ''}"[:300]
+
+
+def _settle(ray: Any, refs: Sequence[Any], timeout: float | None = None) -> None:
+    """Wait (in short slices, so Ctrl-C is seen) until every task of `refs` has ended."""
+    end = None if timeout is None else time.monotonic() + timeout
+    refs = list(refs)
+    while refs and (end is None or time.monotonic() < end):
+        _, refs = ray.wait(refs, num_returns=len(refs), timeout=0.5)
+
+
+def launch_ray(ray: Any, runs: Sequence[Run], config_path: str, train_module: str, say, cpus: float = 1.0,
+               gpus: float = 0.0, max_retries: int = DEFAULT_MAX_RETRIES) -> int:
+    """Run the grid as Ray tasks, as many at once as the cluster's CPUs and GPUs allow (each task
+    asks for `cpus` and `gpus`), each task running what `launch_local` runs (`execute`). A task
+    lost with its worker or node (or failing in Ray itself) is started again, resuming, up to
+    `max_retries` times, then recorded as failed; a run whose command fails is recorded as failed
+    and not retried. Returns the number of failed runs."""
+    n = len(runs)
+    todo = []
+    for i, run in enumerate(runs, 1):
+        if run_state(run.workdir) == "completed":
+            say(f"[{i}/{n}] {run.label} seed {run.seed}: completed before, skipped")
+        else:
+            todo.append(run)
+    if not todo:
+        return 0
+    about, fits = ray_capacity(ray, cpus, gpus)
+    say(f"Ray cluster: {about}; {len(todo)} run(s) of {cpus:g} CPU(s) + {gpus:g} GPU(s) each, up to {fits} at "
+        f"a time (each run's output: its log.txt)")
+    # By module name, also when this file runs as __main__: the workers import it. Retries are
+    # counted here, so Ray's own are off.
+    body = importlib.import_module(__spec__.name if __spec__ else __name__).run_in_ray_task
+    task = ray.remote(body)
+    cwd = os.getcwd()
+    pending: dict[Any, tuple[Run, int, float]] = {}  # task -> (run, attempt, submitted)
+    done, failed = n - len(todo), 0
+
+    def submit(run: Run, attempt: int) -> bool:
+        state, cmd = prepare(run, config_path, train_module)
+        if state == "completed":  # a lost task whose run had finished
+            return False
+        ref = task.options(num_cpus=cpus, num_gpus=gpus, max_retries=0, name=f"ablate {run.label} seed{run.seed}"
+                           ).remote(dataclasses.asdict(run), cmd, cwd)
+        pending[ref] = (run, attempt, time.perf_counter())
+        return True
+
+    for run in todo:
+        submit(run, 1)
+    try:
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.5)
+            for ref in ready:
+                run, attempt, t0 = pending.pop(ref)
+                name = f"{run.label} seed {run.seed}"
+                try:
+                    info = ray.get(ref)
+                except ray.exceptions.RayError as e:
+                    error = _ray_error(e)
+                    if attempt <= max_retries:
+                        say(f"[{done}/{n}] {name}: lost ({error}); retrying ({attempt} of {max_retries})")
+                        if submit(run, attempt + 1):
+                            continue
+                        summary = read_summary(run.workdir) or {}
+                        info = {"status": "completed", "seconds": summary.get("seconds") or 0.0}
+                    else:
+                        info = record_lost(run, error, time.perf_counter() - t0)
+                done += 1
+                failed += not report(f"[{done}/{n}] {name}", info, say)
+    except KeyboardInterrupt:
+        say(f"interrupted: stopping {len(pending)} run(s) (a running one saves a checkpoint); Ctrl-C again kills them")
+        for ref in pending:
+            ray.cancel(ref)
+        try:
+            _settle(ray, pending)
+        except KeyboardInterrupt:
+            for ref in pending:
+                ray.cancel(ref, force=True)
+            _settle(ray, pending, timeout=30)
+        raise
+    return failed
 
 
 # ------------------------------------------------------------------------------ results
@@ -861,6 +1195,20 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help="write the table and figure to results/ and docs/figures/ (the committed evidence)")
     parser.add_argument("--dry_run", action="store_true", help="print the commands, run nothing")
     parser.add_argument("--table_only", action="store_true", help="rebuild table and figure from the run directories")
+    parser.add_argument("--launcher", choices=LAUNCHERS, default="local",
+                        help="local: the runs one after the other on this machine; ray: as Ray tasks, "
+                             "concurrently as the cluster's resources allow")
+    parser.add_argument("--ray_address", default=None,
+                        help="with --launcher=ray: empty (default) starts a Ray instance on this machine; auto, "
+                             "HOST:PORT or ray://HOST:PORT connects to a running cluster")
+    parser.add_argument("--cpus_per_run", type=float, default=None,
+                        help="with --launcher=ray: CPUs each run asks Ray for (default 1)")
+    parser.add_argument("--gpus_per_run", type=float, default=None,
+                        help="with --launcher=ray: GPUs each run asks Ray for (default 0; Ray sets the run's "
+                             "CUDA_VISIBLE_DEVICES)")
+    parser.add_argument("--max_retries", type=int, default=None,
+                        help=f"with --launcher=ray: times a run lost with its worker or node is started again "
+                             f"(resuming; default {DEFAULT_MAX_RETRIES}); a run whose command fails is not retried")
     parser.add_argument("--train_module", default=TRAIN_MODULE, help=argparse.SUPPRESS)
     args, unknown = parser.parse_known_args(argv)
     for item in unknown:  # --config.FIELD=VALUE, as on experiments.train's command line
@@ -883,12 +1231,34 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         parser.error("seeds must be distinct and at least one")
     if args.dry_run and args.table_only:
         parser.error("give --dry_run or --table_only, not both")
+    given = [flag for flag in RAY_FLAGS if getattr(args, flag[2:]) is not None]
+    if args.launcher != "ray" and given:
+        parser.error(f"{', '.join(given)}: only with --launcher=ray")
+    if args.cpus_per_run is not None and not args.cpus_per_run > 0:
+        parser.error(f"--cpus_per_run={args.cpus_per_run:g}: must be > 0")
+    if args.gpus_per_run is not None and not args.gpus_per_run >= 0:
+        parser.error(f"--gpus_per_run={args.gpus_per_run:g}: must be >= 0")
+    if args.max_retries is not None and args.max_retries < 0:
+        parser.error(f"--max_retries={args.max_retries}: must be >= 0")
+    try:
+        args.ray_address = check_ray_address(args.ray_address or "")
+    except AblationError as e:
+        parser.error(str(e))
     return args
 
 
 def recorded_command(argv: Sequence[str]) -> str:
-    """The command line that produces the runs (without --dry_run / --table_only)."""
-    keep = [a for a in argv if a not in ("--dry_run", "--table_only")]
+    """The command line that produces the runs: without --dry_run / --table_only, and without the
+    launcher's flags, which decide where the runs execute, not what they compute (so the table is
+    the same whichever launcher ran them)."""
+    keep, value_next = [], False
+    for a in argv:
+        if value_next:
+            value_next = False
+        elif a.split("=", 1)[0] in LAUNCH_FLAGS:
+            value_next = "=" not in a
+        elif a not in ("--dry_run", "--table_only"):
+            keep.append(a)
     return shlex.join(["python", "-m", "experiments.ablate", *keep])
 
 
@@ -897,6 +1267,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     say = lambda msg: print(msg, flush=True)
     try:
+        if args.launcher == "ray" and not (args.dry_run or args.table_only):
+            check_ray(args.ray_address)  # before the variants' configs are built
         ctx = ConfigContext.load(args.config)
         axes = [parse_sweep(s, ctx) for s in args.sweep]
         sets = [parse_set(s, ctx) for s in args.sets]
@@ -944,34 +1316,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     def on_sigterm(signum, frame):
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
-    t_grid = time.perf_counter()
-    failed = 0
     try:
-        for i, run in enumerate(runs, 1):
-            head = f"[{i}/{len(runs)}] {run.label} seed {run.seed}"
-            state = run_state(run.workdir)
-            if state == "completed":
-                say(f"{head}: completed before, skipped")
-                continue
-            cmd = run_command(run, ctx.path, state == "started", args.train_module)
-            elapsed = (time.perf_counter() - t_grid) / 60
-            say(f"{head}: {'resuming' if state == 'started' else 'starting'} (grid elapsed {elapsed:.1f} min; "
-                f"log {os.path.join(run.workdir, 'log.txt')})")
-            info = execute(run, cmd, say)
-            minutes = info["seconds"] / 60
-            if info["status"] == "completed":
-                say(f"{head}: completed in {minutes:.1f} min")
+        with contextlib.ExitStack() as stack:
+            if args.launcher == "ray":
+                ray = stack.enter_context(ray_connection(args.ray_address))
+                launch = lambda: launch_ray(  # noqa: E731
+                    ray, runs, ctx.path, args.train_module, say, cpus=args.cpus_per_run or 1.0,
+                    gpus=args.gpus_per_run or 0.0,
+                    max_retries=DEFAULT_MAX_RETRIES if args.max_retries is None else args.max_retries)
             else:
-                failed += 1
-                say(f"{head}: FAILED (exit {info['returncode']}) after {minutes:.1f} min; last lines:\n"
-                    + textwrap.indent(info["log_tail"][-2000:], "    "))
-    except (Interrupted, KeyboardInterrupt):
-        say("interrupted: writing the partial table (rerun the same command to continue)")
-        finish()
-        return 130
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+                launch = lambda: launch_local(runs, ctx.path, args.train_module, say)  # noqa: E731
+            previous = signal.signal(signal.SIGTERM, on_sigterm)
+            t_grid = time.perf_counter()
+            try:
+                failed = launch()
+            except (Interrupted, KeyboardInterrupt):
+                say("interrupted: writing the partial table (rerun the same command to continue)")
+                finish()
+                return 130
+            finally:
+                signal.signal(signal.SIGTERM, previous)
+    except AblationError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     say(f"grid done in {(time.perf_counter() - t_grid) / 60:.1f} min" + (f"; {failed} run(s) failed" if failed else ""))
     finish()
     return 1 if failed else 0
