@@ -49,7 +49,7 @@ from tensorboard.plugins.hparams import summary_v2 as hparams_summary
 from tensorboard.plugins.text import metadata as text_metadata
 from tensorboard.summary.writer.record_writer import RecordWriter
 
-__all__ = ["pass_at_k", "eval_summary", "EventWriter", "flatten_hparams", "read_scalars", "read_jsonl",
+__all__ = ["pass_at_k", "eval_summary", "EventWriter", "flatten_hparams", "read_scalars", "read_jsonl", "numbered_json_lines",
            "read_json_lines", "repair_json_lines", "JSONL_NAME"]
 
 JSONL_NAME = "metrics.jsonl"
@@ -385,7 +385,9 @@ def repair_json_lines(path: str | os.PathLike) -> int:
     return len(tail)
 
 
-def _numbered_json_lines(path: str) -> Iterator[tuple[int, dict]]:
+def numbered_json_lines(path: str | os.PathLike) -> Iterator[tuple[int, dict]]:
+    """(line number, object) of each record of a JSON lines file, as `read_json_lines` reads them."""
+    path = os.fspath(path)
     with open(path, "rb") as f:
         lines = f.read().split(b"\n")
     for number, raw in enumerate(lines, 1):
@@ -411,7 +413,7 @@ def read_json_lines(path: str | os.PathLike) -> list[dict]:
     skipped with a RuntimeWarning naming the file; any other line that is not a JSON object raises
     a ValueError naming the file and the line.
     """
-    return [record for _, record in _numbered_json_lines(os.fspath(path))]
+    return [record for _, record in numbered_json_lines(os.fspath(path))]
 
 
 def read_jsonl(logdir: str | os.PathLike) -> list[dict]:
@@ -425,7 +427,7 @@ def read_jsonl(logdir: str | os.PathLike) -> list[dict]:
     """
     path = os.path.join(os.fspath(logdir), JSONL_NAME)
     merged: dict[int, dict] = {}
-    for number, record in _numbered_json_lines(path):
+    for number, record in numbered_json_lines(path):
         step = record.get("step")
         if isinstance(step, bool) or not isinstance(step, (int, float)):
             raise ValueError(f"{path}:{number}: a record without a step: {json.dumps(record)[:80]}")

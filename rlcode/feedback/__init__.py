@@ -1,0 +1,10 @@
+"""Learning from people: preference data, reward models trained on choices, simulated users.
+
+* `preferences`: the pairwise preference format (JSON lines) and its reader, writer and split.
+* `reward_model`: the Bradley-Terry loss, a reward model (the policy architecture with its scalar
+  value head read at the last token), its training, evaluation (pairwise accuracy, calibration)
+  and a batched scoring API usable as a reward.
+* `simulated_users`: preferences drawn from a hidden ground truth with label noise and a
+  systematic bias, and candidate completions of the synthesis tasks to label, for experiments
+  that need no people.
+"""
