@@ -108,6 +108,7 @@ PRODUCERS = {
     "results/bench_sandbox.json": "python -m experiments.bench_sandbox --publish",
     "results/hack_suite.json": "python -m experiments.hack_suite --publish",
     "docs/figures/pretrain_code.json": PLOT_PRETRAIN,
+    "results/reward_model.json": "python -m experiments.reward_model --publish",
     "results/agent_repo.json": f"{TRAIN_AGENT}, then summarise the run into it "
                                "(schema: experiments.figures.draw_agent_repo)",
 }
@@ -463,6 +464,18 @@ def moe_precision_notes(data: dict) -> str:
     return "The curves are seed 0's (results/moe_precision.json). Final losses per seed:\n\n" + "\n".join(lines)
 
 
+def reward_model_notes(data: dict) -> str:
+    d = data["results/reward_model.json"]
+    lines = ["| users' bias (logits per comment line) | accuracy vs labels | accuracy vs gold | ECE | "
+             "Spearman with gold | prefers the verbose copy |", "|---|---|---|---|---|---|"]
+    for r in d["rows"]:
+        lines.append(f"| {r['run'].split('=')[1]} | {r['accuracy']:.3f} | {r['gold_accuracy']:.3f} | {r['ece']:.3f} | "
+                     f"{r['spearman_gold']:.3f} | {r['prefers_verbose']:.3f} |")
+    return (f"{d['tasks']} synthesis tasks ({d['heldout_tasks']} held out), {d['candidates']} graded candidates, "
+            f"users with beta {d['beta']} and label flips {d['flip']}; {d['steps']} steps from the code base. "
+            "Held-out prompts:\n\n" + "\n".join(lines))
+
+
 def bench_attention_notes(data: dict) -> str:
     d = data["results/bench_attention.json"]
     return (f"Device {d['device']} ({d['backend']}), {d['dtype']}, shape {d['shape']}, NSA {d['nsa']}, "
@@ -588,6 +601,14 @@ FIGURES: dict[str, FigureSpec] = {f.name: f for f in (
         "same seed, data and initial parameters: training loss (smoothed) and held-out loss.",
         MOE_PRECISION, extra=("results/moe_precision_seed1.json", "results/moe_precision_seed2.json"),
         notes=moe_precision_notes),
+    FigureSpec(
+        "reward_model", ("results/reward_model.json",),
+        lambda d, out: script("reward_model").plot(d["results/reward_model.json"]["runs"], out),
+        "Bradley-Terry reward models from the code base, trained on simulated users' choices between candidate "
+        "solutions of synthesis tasks, one seed: held-out pairwise accuracy against the users' labels (solid) and "
+        "against gold, the fraction of held-out tests each candidate passes (dashed), for unbiased users and users "
+        "who favour comment lines.",
+        ("python -m experiments.reward_model --publish",), notes=reward_model_notes),
     FigureSpec(
         "bench_moe", ("results/bench_moe.json",),
         lambda d, out: script("bench_moe").plot(d["results/bench_moe.json"]["rows"], out,
