@@ -99,6 +99,17 @@ __all__ = ["Checkpointer", "CheckpointError", "save_params", "restore_params", "
 
 _log = logging.getLogger(__name__)
 
+
+class _SavesWithoutMetrics(logging.Filter):
+    """Orbax stores metrics only when a `best_fn` is set, and then warns on every save given none;
+    saving without metrics is a normal use here (a warm-start cache, a run without evaluation)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "did not provide metrics" not in record.getMessage()
+
+
+logging.getLogger("absl").addFilter(_SavesWithoutMetrics())
+
 FORMAT = "rlcode.checkpoint/2"
 LEGACY_FORMAT = "rlcode.checkpoint/1"  # metrics in the metadata; typed keys stored as key data
 PARAMS_FORMAT = "rlcode.params/1"

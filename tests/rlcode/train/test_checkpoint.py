@@ -668,10 +668,11 @@ def test_previous_format_restores_with_its_keys_and_metrics(tmp_path):
                                   jax.random.normal(state["keys"][1], (3,)))
 
 
-def test_metrics_are_orbaxs_own_item(tmp_path):
-    with Checkpointer(tmp_path, keep=2, best_metric="acc") as ckpt:
+def test_metrics_are_orbaxs_own_item(tmp_path, caplog):
+    with Checkpointer(tmp_path, keep=2, best_metric="acc") as ckpt, caplog.at_level("WARNING"):
         ckpt.save(1, small_state(1), metrics={"acc": 0.5, "loss": 2.0})
         ckpt.save(2, small_state(2))
+    assert not [r for r in caplog.records if "metrics" in r.getMessage()]  # a save without metrics is normal
     assert (tmp_path / "1" / "metrics" / "metrics").is_file() and not (tmp_path / "2" / "metrics").exists()
     meta = ocp.CheckpointManager(tmp_path, options=ocp.CheckpointManagerOptions(read_only=True))
     assert meta.metrics(1) == {"acc": 0.5, "loss": 2.0}
