@@ -220,9 +220,9 @@ class RewardModel:
 
     def score(self, prompts: Sequence[str], completions: Sequence[str]) -> np.ndarray:
         """The reward of each completion after its prompt."""
-        rows = [_sequence(self.tokenizer, p, c)[-self.max_len:] for p, c in zip(prompts, completions)]
         if len(prompts) != len(completions):
             raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
+        rows = [_sequence(self.tokenizer, p, c)[-self.max_len:] for p, c in zip(prompts, completions)]
         order = np.argsort([len(r) for r in rows], kind="stable")  # similar lengths share a chunk
         rewards = np.zeros(len(rows), np.float32)
         for i in range(0, len(rows), self.batch_size):

@@ -163,19 +163,22 @@ def load_run_model(path: str, step: int | None = None) -> tuple[Any, Any, int]:
     graphdef, state = nnx.split(model)
     params_dir, ckpt_dir = os.path.join(path, PARAMS_DIR), os.path.join(path, "checkpoints")
     exported = _exported_step(params_dir)
-    latest = None
-    if os.path.isdir(ckpt_dir):
-        with Checkpointer(ckpt_dir, read_only=True) as ckpt:
-            latest = ckpt.latest_step()
-    step = (latest if latest is not None else exported) if step is None else step
-    if step is None:
-        raise ValueError(f"{path}: no checkpoint in {ckpt_dir} and no {PARAMS_DIR}/")
-    if step == exported:
-        saved, _ = restore_params(params_dir)
-    else:
-        with Checkpointer(ckpt_dir, read_only=True) as ckpt:
+    ckpt = Checkpointer(ckpt_dir, read_only=True) if os.path.isdir(ckpt_dir) else None
+    try:
+        latest = ckpt.latest_step() if ckpt is not None else None
+        step = (latest if latest is not None else exported) if step is None else step
+        if step is None:
+            raise ValueError(f"{path}: no checkpoint in {ckpt_dir} and no {PARAMS_DIR}/")
+        if step == exported:
+            saved, _ = restore_params(params_dir)
+        elif ckpt is None:
+            raise ValueError(f"{path}: no checkpoint in {ckpt_dir} (and {PARAMS_DIR}/ holds step {exported})")
+        else:
             restored, _ = ckpt.restore(step)
-        saved = restored["params"] if isinstance(restored, dict) else restored[1]
+            saved = restored["params"] if isinstance(restored, dict) else restored[1]
+    finally:
+        if ckpt is not None:
+            ckpt.close()
     nnx.replace_by_pure_dict(state, saved)
     return cfg, nnx.merge(graphdef, state), int(step)
 
