@@ -109,9 +109,10 @@ def run_config(run_dir: str) -> ml_collections.ConfigDict:
 
 
 def replay(run_dir: str | None, rounds: int, max_turn_sets: int | None, recorded: list[dict] | None = None,
-           cfg: ml_collections.ConfigDict | None = None) -> dict:
+           cfg: ml_collections.ConfigDict | None = None, warmup: bool = True) -> dict:
     """Replay `recorded` turns (default: the run's episodes.jsonl) with the model shape and agent
-    settings of `cfg` (default: the run's config.json)."""
+    settings of `cfg` (default: the run's config.json). Without `warmup` the timed rounds include
+    the compilations (a check of the token counts, not a measurement)."""
     cfg = run_config(run_dir) if cfg is None else cfg
     if recorded is None:
         recorded = read_json_lines(os.path.join(run_dir, "episodes.jsonl"))
@@ -138,8 +139,8 @@ def replay(run_dir: str | None, rounds: int, max_turn_sets: int | None, recorded
     out = {}
     whole = {}  # the same prefills reading every cache slot instead of the span the contexts hold
     for mode in PREFILL_MODES:  # warm-up: compiles every shape of the mode
-        out[mode] = {"warmup_s": one_pass(mode)[0], "times_s": []}
-        whole[mode] = {"warmup_s": one_pass(mode, bounded=False)[0], "times_s": []}
+        out[mode] = {"warmup_s": one_pass(mode)[0] if warmup else None, "times_s": []}
+        whole[mode] = {"warmup_s": one_pass(mode, bounded=False)[0] if warmup else None, "times_s": []}
     for _ in range(rounds):
         for mode in PREFILL_MODES:
             for record, bounded in ((out, True), (whole, False)):
@@ -168,6 +169,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="JSON path (default runs/agent_repo/agent_repo.json)")
     p.add_argument("--publish", action="store_true", help=PUBLISH_HELP.replace("<name>", "agent_repo"))
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--no_warmup", action="store_true", help="no untimed pass first: the times include compilation "
+                   "(to check the token counts quickly)")
     p.add_argument("--max_turn_sets", type=int, default=None, help="replay only the first N recorded steps")
     p.add_argument("--no_replay", action="store_true")
     p.add_argument("--expert", default="", help="P,G: also replay batches of the scripted expert on P train "
@@ -191,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         data.update(runs=[], curves={}, summary=[])
     data["config"] = {k: v for k, v in cfg.to_dict().items() if k in ("task", "agent", "rollout", "train")}
     if runs and not a.no_replay:
-        data["replay"] = replay(runs[0], a.rounds, a.max_turn_sets)
+        data["replay"] = replay(runs[0], a.rounds, a.max_turn_sets, warmup=not a.no_warmup)
     if a.expert:
         from rlcode.train.engine import default_pool  # noqa: PLC0415
 
@@ -201,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             recorded = expert_record(cfg, P, G, pool)
         finally:
             pool.close()
-        data["replay_expert"] = replay(None, a.rounds, None, recorded, cfg=cfg)
+        data["replay_expert"] = replay(None, a.rounds, None, recorded, cfg=cfg, warmup=not a.no_warmup)
         data["replay_expert"]["tasks"], data["replay_expert"]["group"] = P, G
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:

@@ -149,17 +149,23 @@ def test_deep_tree_defeats_the_standard_library(deep):
     assert listed < DEPTH  # os.walk silently stops where the paths pass PATH_MAX
 
 
-def test_deep_tree_walk_read_copy_remove(deep, tmp_path, resolver):
-    root, leaf = deep
+def test_deep_tree_walk_read_copy_remove(tmp_path, resolver):
+    # The component-at-a-time resolver opens every level of every path it resolves (quadratic in
+    # the depth): it gets a shallower tree whose path is as far past PATH_MAX, with longer names.
+    depth, name = (DEPTH, NAME) if resolver else (300, "d" * 16)  # 5,500 and 5,100 bytes of path
+    root = tmp_path / "deep"
+    root.mkdir()
+    leaf = make_deep(str(root), depth, name)
+    assert len(leaf) > 4096
     tree = fstree.walk(str(root), max_entries=None)
-    assert len(tree.entries) == DEPTH + 1 and tree.entries[-1].path == leaf and not tree.skipped
+    assert len(tree.entries) == depth + 1 and tree.entries[-1].path == leaf and not tree.skipped
     files, skipped = fstree.read_files(str(root))
     assert files == {leaf: b"leaf\n"} and not skipped
     assert fstree.read_file(str(root), leaf, max_bytes=10) == b"leaf\n"
     copy = tmp_path / "copy"
     try:
         done = fstree.copy(str(root), str(copy))
-        assert done.entries == DEPTH + 1 and not done.truncated
+        assert done.entries == depth + 1 and not done.truncated
         assert fstree.read_file(str(copy), leaf, max_bytes=10) == b"leaf\n"
     finally:
         assert fstree.remove(str(copy)) == [] and not copy.exists()

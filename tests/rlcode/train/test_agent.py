@@ -245,6 +245,7 @@ def test_agent_job_end_to_end_and_report(tmp_path):
     from rlcode.train.metrics import read_jsonl
 
     cfg = tiny("squid")
+    cfg.model.num_layers = 1  # what is checked (outputs, prefill counts, replay) does not depend on depth
     cfg.workdir = str(tmp_path / "run")
     cfg.task.num_train, cfg.task.num_demos, cfg.task.num_fresh, cfg.task.num_eval = 6, 3, 1, 1
     cfg.sft.steps, cfg.sft.batch_size, cfg.sft.cache_dir = 2, 2, str(tmp_path / "cache")
@@ -269,7 +270,7 @@ def test_agent_job_end_to_end_and_report(tmp_path):
     assert any(n.startswith("agent_demos_") for n in os.listdir(cfg.sft.cache_dir))
 
     out = tmp_path / "agent_repo.json"
-    assert agent_report.main(["--runs", cfg.workdir, "--out", str(out), "--rounds", "1"]) == 0
+    assert agent_report.main(["--runs", cfg.workdir, "--out", str(out), "--rounds", "1", "--no_warmup"]) == 0
     data = json.load(open(out))
     assert data["curves"]["rollout/success"][0][0] == 1
     rep = data["replay"]
@@ -332,7 +333,8 @@ def test_agent_report_replays_the_expert_of_a_config_without_a_run(tmp_path, cap
     with pytest.raises(SystemExit):
         agent_report.main(["--config", str(config), "--out", str(out)])  # no --expert
     assert "add --expert" in capsys.readouterr().err
-    assert agent_report.main(["--config", str(config), "--expert", "1,2", "--rounds", "1", "--out", str(out)]) == 0
+    assert agent_report.main(["--config", str(config), "--expert", "1,2", "--rounds", "1", "--no_warmup",
+                              "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["runs"] == [] and data["config"]["agent"]["max_context_tokens"] == 2048
     rep = data["replay_expert"]
