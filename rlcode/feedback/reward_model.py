@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -37,13 +38,17 @@ from flax import nnx
 
 from rlcode.feedback.preferences import PreferencePair
 from rlcode.models.attention import AttentionMask
+from rlcode.models.transformer import ModelConfig, init_model
 from rlcode.sharding import DEFAULT_RULES, Rules
-from rlcode.tokenizer import Tokenizer
+from rlcode.tokenizer import Tokenizer, load_tokenizer
 from rlcode.train import checkpoint
 from rlcode.train.step import batch_sharding, init_train_state, make_optimizer, optim_config, split_on_mesh
 
 __all__ = ["pair_losses", "bradley_terry_loss", "pairwise_metrics", "PairBatch", "encode_pairs", "encode_texts",
-           "make_score_fn", "RewardModel", "train_config", "train_reward_model"]
+           "make_score_fn", "RewardModel", "train_config", "train_reward_model", "load_reward_model",
+           "reward_model_extra", "FORMAT"]
+
+FORMAT = "rlcode.reward_model/1"
 
 
 # --------------------------------------------------------------------------------------------
@@ -244,9 +249,17 @@ class RewardModel:
         return pairwise_metrics(self.deltas(batch), batch.tie)
 
     def save(self, path: str, extra: dict | None = None, force: bool = False) -> None:
-        """The parameters alone (`rlcode.train.checkpoint.save_params`), with `extra` (e.g. the
-        model config and tokenizer spec, to rebuild it) and the length limit."""
-        checkpoint.save_params(path, self.params, extra={"max_len": self.max_len, **(extra or {})}, force=force)
+        """A self-describing directory that `load_reward_model(path)` rebuilds alone:
+        ``<path>/tokenizer/`` (Hugging Face tokenizer files) and ``<path>/params/`` (the parameters,
+        `rlcode.train.checkpoint.save_params`, written last and atomically) whose extra holds the
+        model's config section, the length limit and `extra`."""
+        params_dir, tokenizer_dir = _layout(path)
+        if os.path.exists(params_dir) and not force:
+            raise checkpoint.CheckpointError(f"a reward model in {path} already exists; pass force=True to overwrite it")
+        self.tokenizer.save(tokenizer_dir)
+        model_cfg = nnx.merge(self.graphdef, self.params).cfg
+        checkpoint.save_params(params_dir, self.params, force=force, extra={
+            "format": FORMAT, "max_len": self.max_len, "model": model_cfg.to_section(), **(extra or {})})
 
 
 def train_config(**overrides: Any) -> ml_collections.ConfigDict:
@@ -326,11 +339,31 @@ def train_reward_model(model: nnx.Module, tokenizer: Tokenizer, train_pairs: Seq
     return scorer, history
 
 
-def load_reward_model(path: str, model: nnx.Module, tokenizer: Tokenizer, *, batch_size: int = 32, mesh: Any = None,
-                      rules: Rules = DEFAULT_RULES) -> RewardModel:
-    """A reward model saved by `RewardModel.save` into the architecture of `model` (its parameters
-    are replaced; placed on `mesh` when given)."""
+def _layout(path: str) -> tuple[str, str]:
+    return os.path.join(path, "params"), os.path.join(path, "tokenizer")
+
+
+def reward_model_extra(path: str) -> dict:
+    """The `extra` a saved reward model was written with (its config, length limit, notes)."""
+    return checkpoint.params_extra(_layout(path)[0])
+
+
+def load_reward_model(path: str, model: nnx.Module | None = None, tokenizer: Tokenizer | None = None, *,
+                      batch_size: int = 32, mesh: Any = None, rules: Rules = DEFAULT_RULES) -> RewardModel:
+    """The reward model `RewardModel.save` wrote to `path`: its architecture from the saved config
+    (or `model`'s, whose parameters are replaced; shapes must match), its tokenizer from the saved
+    files (or `tokenizer`), placed on `mesh` when given."""
+    params_dir, tokenizer_dir = _layout(path)
+    extra = checkpoint.params_extra(params_dir)
+    if not isinstance(extra, dict) or extra.get("format") != FORMAT:
+        raise checkpoint.CheckpointError(f"{path} is not a reward model saved by RewardModel.save "
+                                         f"(no {FORMAT!r} format in its extra)")
+    if model is None:
+        model = init_model(ModelConfig.from_config(extra["model"]), 0)
+    if not getattr(model.cfg, "value_head", False):
+        raise ValueError(f"{path}: a reward model needs the value head (model.value_head=True)")
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(tokenizer_dir)
     graphdef, params = split_on_mesh(model, mesh, rules)
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)
-    restored, extra = checkpoint.restore_params(path, target=target)
+    restored, _ = checkpoint.restore_params(params_dir, target=target)
     return RewardModel(graphdef, restored, tokenizer, int(extra["max_len"]), batch_size, mesh, rules)

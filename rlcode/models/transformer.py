@@ -120,6 +120,19 @@ class ModelConfig:
             raise ValueError(f"model.rope_*: {e}") from None
         return out
 
+    def to_section(self) -> dict[str, Any]:
+        """The `model` section (plain values) that `from_config` turns back into this config."""
+        names = {jnp.dtype(v): k for k, v in DTYPES.items()}
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in ("dtype", "param_dtype"):
+                value = names[jnp.dtype(value)]
+            elif f.name in ("attention", "mlp"):
+                value = value.to_dict()
+            out[f.name] = value
+        return out
+
     @property
     def rope(self) -> Rope:
         """The rotary embedding of every attention layer."""

@@ -15,6 +15,7 @@ from rlcode.feedback import reward_model as rm
 from rlcode.feedback.preferences import PreferencePair
 from rlcode.models.transformer import init_model, model_config
 from rlcode.tokenizer import ByteTokenizer
+from rlcode.train import checkpoint
 
 
 def oracle_loss(rc, rr, tie, weight, margin):
@@ -145,6 +146,15 @@ def test_saved_reward_model_scores_the_same(tmp_path):
     assert loaded.max_len == 48
     texts = ["    return 1\n", "    return 'a'\n"]
     np.testing.assert_array_equal(loaded.score(["def f():\n"] * 2, texts), scorer.score(["def f():\n"] * 2, texts))
+    # Alone: the architecture from the saved config, the tokenizer from the saved files.
+    alone = rm.load_reward_model(str(tmp_path / "rm"))
+    assert alone.graphdef == scorer.graphdef and rm.reward_model_extra(str(tmp_path / "rm"))["note"] == "x"
+    np.testing.assert_array_equal(alone.score(["def f():\n"] * 2, texts), scorer.score(["def f():\n"] * 2, texts))
+    with pytest.raises(checkpoint.CheckpointError, match="already exists"):
+        scorer.save(str(tmp_path / "rm"))
+    with pytest.raises(checkpoint.CheckpointError, match="not a reward model"):
+        checkpoint.save_params(str(tmp_path / "other" / "params"), params)
+        rm.load_reward_model(str(tmp_path / "other"))
 
 
 def test_a_model_without_value_head_and_too_few_pairs_are_refused():
