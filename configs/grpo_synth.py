@@ -46,6 +46,7 @@ from rlcode.models.transformer import model_config
 from rlcode.recipes import RECIPES, recipe
 from rlcode.sharding import mesh_config
 from rlcode.envs.rewards import synth_reward_config
+from rlcode.feedback.monitor import monitor_config
 from rlcode.envs.tasks.protocol import COMPLETION_SOURCES
 from rlcode.train.pretrain import start_from_base
 from rlcode.train.sft import sft_config
@@ -110,6 +111,9 @@ def get_config(arg=None):
     # Partial credit (fraction of held-out tests passed): a dense signal for a weak policy; pass@1
     # (all tests) is reported separately.
     cfg.reward = synth_reward_config(tests="pass_fraction")
+    # Off by default: the over-optimisation monitor of a run against a learned reward
+    # (reward.source="reward_model"; experiments/overoptimization.py).
+    cfg.monitor = monitor_config()
 
     name = choices["loss"]
     if name not in RECIPES:

@@ -52,7 +52,7 @@ import ml_collections
 import numpy as np
 
 from rlcode import advantages as adv_lib
-from rlcode.checks import TypedSection, expect_type, integer, real, sequence, text
+from rlcode.checks import ConfigError, TypedSection, expect_type, integer, real, sequence, text
 from rlcode.envs import grading
 
 TEST_REWARDS = ("pass_fraction", "all_pass")
@@ -177,9 +177,11 @@ def compute_reward(grade: grading.GradeResult, trajectory: Any, task: Any,
 # --------------------------------------------------------------------------------------------
 
 SYNTH_TEST_REWARDS = ("all_pass", "pass_fraction")
-SYNTH_TERMS = ("tests", "overlong", "truncated")
+SYNTH_REWARD_SOURCES = ("tests", "reward_model")
+SYNTH_TERMS = ("tests", "preference", "overlong", "truncated")
 SYNTH_REWARD_SPECS = {"tests": text(SYNTH_TEST_REWARDS), "truncation_penalty": real(0),
-                      "timeout": real(0, low_open=True)}
+                      "timeout": real(0, low_open=True), "source": text(SYNTH_REWARD_SOURCES, required=False),
+                      "reward_model": text(required=False), "preference_weight": real(0, low_open=True, required=False)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,6 +190,9 @@ class SynthRewardConfig(TypedSection):
 
     tests: "all_pass" | "pass_fraction". truncation_penalty: subtracted from a row that hit
     max_new_tokens without its stop token. timeout: seconds one graded execution may run.
+    source: "tests" (the held-out tests are the reward) or "reward_model" (a learned reward: the
+    score of the reward model saved in directory `reward_model`, times `preference_weight`; the
+    tests still run and are logged as the gold objective, but pay nothing).
     """
 
     SPECS = SYNTH_REWARD_SPECS
@@ -196,6 +201,15 @@ class SynthRewardConfig(TypedSection):
     tests: str = "all_pass"
     truncation_penalty: float = 0.0
     timeout: float = 5.0
+    source: str = "tests"
+    reward_model: str = ""
+    preference_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.source == "reward_model" and not self.reward_model:
+            raise ConfigError("reward.source='reward_model' needs reward.reward_model (a directory written by "
+                              "rlcode.feedback.reward_model.RewardModel.save)")
 
 
 def synth_reward_config(**overrides: Any) -> ml_collections.ConfigDict:
@@ -204,12 +218,14 @@ def synth_reward_config(**overrides: Any) -> ml_collections.ConfigDict:
 
 
 def synth_rewards(pass_fraction: np.ndarray, valid: np.ndarray, truncated: np.ndarray, lengths: np.ndarray,
-                  max_new_tokens: int, config: SynthRewardConfig,
-                  overlong_cache_length: int = 0) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+                  max_new_tokens: int, config: SynthRewardConfig, overlong_cache_length: int = 0,
+                  preference: np.ndarray | None = None) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """(rewards [B], terms {name: [B]}) of B graded completions, ``rewards == sum(terms)``:
 
     * ``tests``: 1 if every held-out check passed (``tests="all_pass"``) or the fraction passed
-      (``"pass_fraction"``);
+      (``"pass_fraction"``); 0 with ``source="reward_model"``;
+    * ``preference``: ``preference_weight`` times the reward model's scores `preference` with
+      ``source="reward_model"`` (then required), else 0;
     * ``overlong``: DAPO's soft overlong punishment when ``overlong_cache_length > 0``
       (docs/reference.md §3; `rlcode.advantages.overlong_penalty`);
     * ``truncated``: ``-truncation_penalty`` for a row that hit ``max_new_tokens`` without its
@@ -221,7 +237,17 @@ def synth_rewards(pass_fraction: np.ndarray, valid: np.ndarray, truncated: np.nd
     expect_type(config, SynthRewardConfig, "reward")
     frac = np.asarray(pass_fraction, np.float32)
     tests = (frac >= 1.0).astype(np.float32) if config.tests == "all_pass" else frac
-    terms = {"tests": tests, "truncated": -config.truncation_penalty * np.asarray(truncated, np.float32)}
+    learned = np.zeros_like(tests)
+    if config.source == "reward_model":
+        if preference is None or np.shape(preference) != tests.shape:
+            raise ValueError(f"reward.source='reward_model' needs one reward-model score per row ({tests.shape[0]}), "
+                             f"got {None if preference is None else np.shape(preference)}")
+        learned = config.preference_weight * np.asarray(preference, np.float32)
+        if not np.isfinite(learned[np.asarray(valid, bool)]).all():
+            raise FloatingPointError("the reward model scored a completion as non-finite")
+        tests = np.zeros_like(tests)
+    terms = {"tests": tests, "preference": learned,
+             "truncated": -config.truncation_penalty * np.asarray(truncated, np.float32)}
     if overlong_cache_length:
         terms["overlong"] = np.asarray(adv_lib.overlong_penalty(jnp.asarray(lengths), max_new_tokens,
                                                                 overlong_cache_length), np.float32)

@@ -82,7 +82,8 @@ class Context:
     """What the engine has built, handed to the job's `Job.setup` and `Job.plan`.
 
     The sections the engine has read (`schedule`, and the typed `objective` and `sampling` it
-    builds the train step from) are there for the job to reuse, not to read again. The model fields
+    builds the train step from) are there for the job to reuse, not to read again; `objective` is
+    replaced when a `Plan.control` action changes the KL coefficient. The model fields
     (graphdef, mesh, rules) are set before `Job.plan` is called. A job registers what it opens
     (files, samplers) in `resources`; the engine closes them on every exit path."""
 
@@ -119,6 +120,10 @@ class Plan:
       ``rollout.group_size`` rows).
     derived(scalars) -> more scalars computed from the step's (rollout and ``train/``) scalars,
       logged and shown with them (e.g. a loss in bits per byte).
+    control(step, scalars) -> None, or an action after the step is logged: {"stop": reason}
+      ends the run (as a time budget does: evaluated and saved, not completed), {"kl_coef": x}
+      sets the objective's KL coefficient from the next step on (the train step is rebuilt;
+      the reference parameters must exist, see `Job.reference`).
     """
 
     collect: Callable[[Any, int, int], Any]
@@ -129,6 +134,7 @@ class Plan:
     texts: Callable[[Any], dict] = lambda rollout: {}
     minibatches: Callable[[dict, int, np.random.Generator], list] | None = None
     derived: Callable[[dict], dict] | None = None
+    control: Callable[[int, dict], dict | None] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +157,9 @@ class Job:
       chunk).
     summary_metrics(cfg) -> the scalar tags that sum a run up, besides ``train/loss``: the metric
       columns of TensorBoard's HParams tab, where runs are compared by their configs.
+    reference(cfg) -> keep the start policy's parameters as the reference even with a KL
+      coefficient of 0 (to measure the KL from it, or to let `Plan.control` raise the
+      coefficient); with a coefficient > 0 they are always kept.
     """
 
     name: str
@@ -162,6 +171,7 @@ class Job:
     objective: Callable[[Any], ObjectiveConfig] | None = None
     log_entropy: bool = True
     summary_metrics: Callable[[Any], Sequence[str]] | None = None
+    reference: Callable[[Any], bool] | None = None
 
 
 @dataclasses.dataclass
@@ -169,7 +179,7 @@ class RunResult:
     """What `train` returns (also written to <workdir>/summary.json).
 
     completed: all ``train.steps`` done. stopped: why the run ended before that ("signal",
-    "max_minutes"), else None. interrupted: stopped by a signal."""
+    "max_minutes", or the reason a `Plan.control` gave, e.g. "monitor"), else None. interrupted: stopped by a signal."""
 
     workdir: str
     steps_done: int
@@ -502,7 +512,8 @@ def train(cfg: Any, job: Job, *, pool: Any = None, log: Callable[[str], None] | 
             trainable = adapter_mask(model, also=("value_w", "value_b"))
         optimizer = make_optimizer(cfg.optim, trainable)
         ctx.graphdef, state = init_train_state(model, optimizer, cfg.seed, ctx.mesh, ctx.rules)
-        ref_params = jax.tree.map(jnp.copy, state.params) if objective.kl_coef > 0 else None
+        keep_ref = objective.kl_coef > 0 or (job.reference is not None and job.reference(cfg))
+        ref_params = jax.tree.map(jnp.copy, state.params) if keep_ref else None
         start, first_eval = 0, None
         if cfg.resume:
             restored = ckpt.restore_or_none(target=state)
@@ -512,11 +523,14 @@ def train(cfg: Any, job: Job, *, pool: Any = None, log: Callable[[str], None] | 
                 state, extra = restored
                 start, first_eval = int(extra["iteration"]), _first_eval_of(ckpt, extra)
                 say(f"resumed from {ckpt_dir} at step {start}")
-        train_step = make_train_step(ctx.graphdef, objective, optimizer, microbatches=sched.microbatches,
-                                     temperature=sampling.temperature, top_k=sampling.top_k or None,
-                                     top_p=sampling.top_p, mesh=ctx.mesh, rules=ctx.rules,
-                                     shardings=state_shardings(state), log_entropy=job.log_entropy,
-                                     trainable=trainable)
+        def build_train_step(objective: ObjectiveConfig) -> Callable:
+            return make_train_step(ctx.graphdef, objective, optimizer, microbatches=sched.microbatches,
+                                   temperature=sampling.temperature, top_k=sampling.top_k or None,
+                                   top_p=sampling.top_p, mesh=ctx.mesh, rules=ctx.rules,
+                                   shardings=state_shardings(state), log_entropy=job.log_entropy,
+                                   trainable=trainable)
+
+        train_step = build_train_step(objective)
         plan = job.plan(ctx, data)
         split = plan.minibatches or (lambda batch, num, rng: split_groups(batch, num, cfg.rollout.group_size, rng))
 
@@ -596,6 +610,17 @@ def train(cfg: Any, job: Job, *, pool: Any = None, log: Callable[[str], None] | 
                 if sched.checkpoint_due(step):
                     _save(ckpt, step, state, last_eval, first_eval)
                     last_saved = step
+                action = plan.control(step, scalars) if plan.control is not None else None
+                if action and "kl_coef" in action:
+                    if ref_params is None:
+                        raise RuntimeError("a controller set the KL coefficient, but the job keeps no reference "
+                                           "parameters (Job.reference)")
+                    objective = ctx.objective = dataclasses.replace(objective, kl_coef=float(action["kl_coef"]))
+                    train_step = build_train_step(objective)
+                if action and "stop" in action:
+                    stopped = str(action["stop"])
+                    say(f"stopped by {stopped} after step {step}")
+                    break
         if stopped == "signal":
             say(f"stopping on signal {stop.signal} after step {step}: saving a checkpoint")
         elif sched.eval_at_end:

@@ -33,6 +33,8 @@ built; a failure is a `rlcode.checks.ConfigError` naming the field.
 from __future__ import annotations
 
 import dataclasses
+import os
+import random
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -40,6 +42,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from rlcode import advantages as adv_lib
 from rlcode import losses
@@ -52,7 +55,8 @@ from rlcode.tokenizer import ByteTokenizer
 from rlcode.train import memory
 from rlcode.train.engine import Context, Job, Plan, RunResult, train
 from rlcode.train.metrics import eval_summary
-from rlcode.envs.rewards import SYNTH_TEST_REWARDS, SynthRewardConfig, synth_reward_config
+from rlcode.envs.rewards import SYNTH_REWARD_SPECS, SynthRewardConfig, synth_reward_config
+from rlcode.feedback.monitor import MonitorConfig, OveroptimizationMonitor, audit_rows, monitor_config
 from rlcode.train.rollout import (EncodedTasks, Grader, Rollout, RolloutCollector, RolloutConfig, encode_tasks,
                                   trim_batch)
 from rlcode.train.schema import MAX_SANDBOX_WORKERS, SEED, check_common, check_schema, mesh_sizes
@@ -73,8 +77,8 @@ SYNTH_SECTIONS = {
     "rollout": {"prompts_per_step": integer(1), "group_size": integer(1), "async_mode": flag(),
                 "max_staleness": integer(0), "max_draws": integer(1)},
     "sandbox": {"workers": integer(1, MAX_SANDBOX_WORKERS)},
-    "reward": schema_from_defaults(synth_reward_config(), {"tests": text(SYNTH_TEST_REWARDS), "truncation_penalty": real(0),
-                                                     "timeout": real(0, low_open=True)}),
+    "reward": schema_from_defaults(synth_reward_config(), SYNTH_REWARD_SPECS),
+    "monitor": schema_from_defaults(monitor_config(), MonitorConfig.SPECS),
     "train": {"steps": integer(1), "epochs": integer(1), "minibatches": integer(1), "microbatches": integer(1),
               "max_minutes": real(0, required=False)},
     "eval": {"every": integer(0), "num_samples": integer(1), "ks": sequence(integer(1), min_len=1),
@@ -90,7 +94,8 @@ def validate_config(cfg: Any, num_devices: int | None = None,
     `schema.common_schema`), the constraints between fields, the mesh against `num_devices` (when
     given) and the memory estimate (`rlcode.train.memory`) against `budget` ([(what, bytes)];
     default: the host's memory and the devices' where jax reports it)."""
-    check_schema(cfg, SYNTH_SECTIONS)
+    # The monitor section is optional (configs written before it have none).
+    check_schema(cfg, SYNTH_SECTIONS if "monitor" in cfg else {k: v for k, v in SYNTH_SECTIONS.items() if k != "monitor"})
     check_common(cfg, num_devices)
     P, G = cfg.rollout.prompts_per_step, cfg.rollout.group_size
     if cfg.advantage.estimator == "group" and cfg.advantage.normalize in ("std", "rloo") and G < 2:
@@ -103,6 +108,14 @@ def validate_config(cfg: Any, num_devices: int | None = None,
     rows = P * G // cfg.train.minibatches
     if rows % cfg.train.microbatches:
         raise ConfigError(f"a minibatch of {rows} rows is not divisible by train.microbatches={cfg.train.microbatches}")
+    reward = SynthRewardConfig.from_config(cfg.reward)
+    if reward.source == "reward_model" and not os.path.isdir(reward.reward_model):
+        raise ConfigError(f"reward.reward_model={reward.reward_model!r}: no such directory")
+    if "monitor" in cfg and cfg.monitor.enabled:
+        if cfg.monitor.action == "refresh" and reward.source != "reward_model":
+            raise ConfigError("monitor.action='refresh' retrains a reward model: it needs reward.source='reward_model'")
+        if cfg.rollout.async_mode:
+            raise ConfigError("monitor.enabled=True: the monitor acts between synchronous steps; set rollout.async_mode=False")
     if cfg.rollout.async_mode and cfg.rollout.max_staleness < 1:
         raise ConfigError("rollout.async_mode=True needs rollout.max_staleness >= 1")
     if cfg.sampling.top_k > cfg.model.vocab_size:
@@ -176,26 +189,33 @@ def build_tasks(cfg: Any, tokenizer: ByteTokenizer) -> tuple[EncodedTasks, Encod
 
 def make_prepare_fn(objective: losses.ObjectiveConfig, adv_cfg: adv_lib.AdvantageConfig, sampling: SamplingConfig,
                     graphdef: Any, group_size: int, pad_id: int, trim_multiple: int = 32) -> Callable:
-    """fn(params, ref_params, rollout) -> train batch: the training layout (time axis trimmed,
-    see `trim_batch`), old log-probs and values under `params`, reference log-probs, rewards with
-    the KL penalty when it is a reward term, advantages (and returns for GAE)."""
+    """fn(params, ref_params, rollout, kl_coef=None) -> train batch: the training layout (time axis
+    trimmed, see `trim_batch`), old log-probs and values under `params`, reference log-probs when
+    `ref_params` is given, rewards with the KL penalty when it is a reward term (coefficient
+    `kl_coef`, default the objective's: a controller may change it between steps without a
+    recompilation), advantages (and returns for GAE).
+
+    With reference parameters the batch also carries ``kl_from_start`` [B]: each row's summed
+    log-ratio log pi(y|x) - log pi_ref(y|x) over its sampled tokens (under the parameters the
+    rollout is scored with), whose mean over rows sampled from pi estimates KL(pi || pi_ref) per
+    sequence; the job logs it and takes it out before training."""
     opts = dict(temperature=sampling.temperature, top_k=sampling.top_k or None, top_p=sampling.top_p)
     logprob = make_logprob_fn(graphdef, **opts)
-    use_ref = objective.kl_coef > 0
-    kl_in_reward = use_ref and objective.kl_penalty == "reward"
+    kl_in_reward = objective.kl_penalty == "reward"
     needs_values = adv_cfg.estimator == "gae" or objective.value_coef > 0
 
     @jax.jit
-    def scores(params, ref_params, batch, rewards, valid):
+    def scores(params, ref_params, batch, rewards, valid, kl_coef):
         mask = batch["mask"]
         old_logp, values = logprob(params, batch)
         old_logp = jnp.where(mask, old_logp, 0.0)
-        if use_ref:
+        if ref_params is not None:
             ref_logp, _ = logprob(ref_params, batch)
             ref_logp = jnp.where(mask, ref_logp, 0.0)
             batch["ref_logp"] = ref_logp
+            batch["kl_from_start"] = jnp.sum(old_logp - ref_logp, axis=-1)
             if kl_in_reward:
-                rewards = losses.kl_reward_penalty(rewards, old_logp, ref_logp, mask, objective.kl_coef)
+                rewards = losses.kl_reward_penalty(rewards, old_logp, ref_logp, mask, kl_coef)
         advantages, returns = adv_lib.compute_advantages(adv_cfg, rewards, mask, group_size,
                                                          values=values if needs_values else None, valid=valid)
         batch = dict(batch, advantages=advantages, old_logp=old_logp)
@@ -203,7 +223,10 @@ def make_prepare_fn(objective: losses.ObjectiveConfig, adv_cfg: adv_lib.Advantag
             batch.update(old_values=jnp.where(mask, values, 0.0), returns=returns)
         return batch
 
-    def prepare(params, ref_params, r: Rollout) -> dict[str, jax.Array]:
+    def prepare(params, ref_params, r: Rollout, kl_coef: float | None = None) -> dict[str, jax.Array]:
+        coef = objective.kl_coef if kl_coef is None else kl_coef
+        if objective.kl_coef > 0 and ref_params is None:
+            raise ValueError("loss.kl_coef > 0 needs the reference parameters")
         out = SampleOutput(jnp.asarray(r.tokens), jnp.asarray(r.logprobs), jnp.asarray(r.mask), jnp.asarray(r.lengths))
         tb = to_training_batch(jnp.asarray(r.prompts), jnp.asarray(r.prompt_lengths), out, group_size=group_size,
                                pad_id=pad_id)
@@ -212,7 +235,7 @@ def make_prepare_fn(objective: losses.ObjectiveConfig, adv_cfg: adv_lib.Advantag
                  "mask": tb.mask & valid[:, None], "kv_lengths": tb.kv_lengths, "behavior_logp": tb.behavior_logp}
         batch = trim_batch(batch, int(np.max(r.prompt_lengths.repeat(group_size) + r.lengths)) - 1, trim_multiple)
         batch = with_score_index(batch)  # the prompts' positions are not scored
-        return scores(params, ref_params, batch, jnp.asarray(r.rewards), valid)
+        return scores(params, ref_params, batch, jnp.asarray(r.rewards), valid, jnp.float32(coef))
 
     return prepare
 
@@ -317,10 +340,18 @@ def plan(ctx: Context, tasks: tuple) -> Plan:
     sampling = dataclasses.replace(options, top_k=options.top_k or None, stop_ids=(tok.eos_id,), pad_id=tok.pad_id)
     grader = Grader(ctx.pool, timeout=reward.timeout)
     G, P = rollout.group_size, rollout.prompts_per_step
-    collector = RolloutCollector(ctx.graphdef, train_tasks, tok, grader, sampling, reward, shaping, G)
+    scorer = None
+    if reward.source == "reward_model":
+        from rlcode.feedback.reward_model import load_reward_model  # noqa: PLC0415
+
+        scorer = load_reward_model(reward.reward_model, batch_size=min(P * G, 64))
+        ctx.say(f"reward: the reward model in {reward.reward_model} (the tests are logged as gold, and pay nothing)")
+    collector = RolloutCollector(ctx.graphdef, train_tasks, tok, grader, sampling, reward, shaping, G,
+                                 reward_model=scorer)
     eval_collectors = {name: RolloutCollector(ctx.graphdef, tasks, tok, grader, sampling, reward, shaping,
-                                              cfg.eval.num_samples)
+                                              cfg.eval.num_samples, reward_model=scorer)
                        for name, tasks in (("eval", eval_tasks), ("eval_fresh", fresh_tasks)) if tasks is not None}
+    monitor = Monitoring(ctx, collector, reward) if "monitor" in cfg and cfg.monitor.enabled else None
     base_key = jax.random.key(cfg.seed)
     sample_key, eval_key = jax.random.fold_in(base_key, 1), jax.random.fold_in(base_key, 2)
 
@@ -347,6 +378,8 @@ def plan(ctx: Context, tasks: tuple) -> Plan:
 
     def metrics(r: Rollout) -> dict[str, float]:
         out = rollout_metrics(r)
+        if monitor is not None:
+            out.update(monitor.observe(r))
         out.update({"time/sample_s": r.stats["sample_s"], "time/execute_s": r.stats["execute_s"],
                     "throughput/generated_tokens_per_s": r.stats.get("generated_tokens", 0.0)
                     / max(r.stats["sample_s"], 1e-9),
@@ -370,9 +403,104 @@ def plan(ctx: Context, tasks: tuple) -> Plan:
             parts.append(f"reward={r.rewards[i]:.2f}\n\n```\n{r.texts[i]}\n```")
         return {"rollout/samples": "\n\n".join(parts)}
 
-    return Plan(collect=collect, prepare=make_prepare_fn(objective, advantage, options, ctx.graphdef, G, tok.pad_id),
-                evaluate=run_eval,
-                metrics=metrics, progress=progress, texts=texts)
+    make_batch = make_prepare_fn(objective, advantage, options, ctx.graphdef, G, tok.pad_id)
+    kl_logged: dict[str, float] = {}
+
+    def prepare(params, ref_params, r: Rollout) -> dict:
+        batch = make_batch(params, ref_params, r, kl_coef=ctx.objective.kl_coef)
+        kl = batch.pop("kl_from_start", None)
+        kl_logged.clear()
+        if kl is not None:
+            kl_logged.update({"rollout/kl_from_start": float(np.asarray(kl)[r.valid].mean()) if r.valid.any() else 0.0,
+                              "rollout/kl_coef": float(ctx.objective.kl_coef)})
+        return batch
+
+    def control(step: int, scalars: dict) -> dict | None:
+        return monitor.act(step) if monitor is not None else None
+
+    return Plan(collect=collect, prepare=prepare, evaluate=run_eval, metrics=metrics, progress=progress, texts=texts,
+                derived=lambda scalars: dict(kl_logged), control=control)
+
+
+class Monitoring:
+    """The over-optimisation monitor of a job trained against a learned reward (the ``monitor``
+    section, `rlcode.feedback.monitor`): each batch it reads the proxy (the reward-model term) and
+    the gold score (the tests' pass fraction, or all-pass per ``reward.tests``) of `audit_size`
+    random valid rows only, and when it flags a divergence it acts: "stop" ends the run, "raise_kl"
+    multiplies the KL coefficient (from ``kl_floor`` when 0), "refresh" labels choices on the
+    current batch's completions with the simulated users of the monitor's ``user_*`` fields and
+    trains the reward model on them for ``refresh_steps`` steps, "log" only records the flag."""
+
+    def __init__(self, ctx: Context, collector: RolloutCollector, reward: SynthRewardConfig):
+        self.ctx, self.collector, self.reward = ctx, collector, reward
+        self.cfg = MonitorConfig.from_config(ctx.cfg.monitor)
+        self.monitor = OveroptimizationMonitor(self.cfg)
+        self.rng = np.random.default_rng([ctx.cfg.seed, 11])
+        self.flagged = False
+        self.last: Rollout | None = None
+        self.refreshes = 0
+        self._step = 0  # batches observed
+
+    def observe(self, r: Rollout) -> dict[str, float]:
+        rows = audit_rows(len(r.rewards), self.cfg.audit_size, r.valid, self.rng)
+        proxy = r.terms["preference"] if self.reward.source == "reward_model" else r.rewards
+        gold = r.passed.astype(np.float32) if self.reward.tests == "all_pass" else r.pass_fraction
+        out, self.flagged = self.monitor.update(self._step, proxy[rows], gold[rows])
+        self._step += 1
+        self.last = r
+        return out
+
+    def act(self, step: int) -> dict | None:
+        if not self.flagged:
+            return None
+        self.flagged = False
+        action = self.cfg.action
+        self.monitor.acted(self._step - 1, action)
+        self.ctx.writer.scalars(step, {"monitor/action": float(1 + ("log", "stop", "raise_kl", "refresh").index(action))})
+        if action == "log":
+            self.ctx.say(f"monitor: proxy and gold diverge at step {step} (logged only)")
+            return None
+        if action == "stop":
+            self.ctx.say(f"monitor: proxy and gold diverge at step {step}: stopping")
+            return {"stop": "monitor"}
+        if action == "raise_kl":
+            coef = self.ctx.objective.kl_coef
+            new = coef * self.cfg.kl_factor if coef > 0 else self.cfg.kl_floor
+            self.ctx.say(f"monitor: proxy and gold diverge at step {step}: KL coefficient {coef:g} -> {new:g}")
+            return {"kl_coef": new}
+        self.refresh(step)
+        return None
+
+    def refresh(self, step: int) -> None:
+        """New choices on the latest batch's completions, then more reward-model training on them."""
+        from rlcode.feedback import reward_model as rm_lib  # noqa: PLC0415
+        from rlcode.feedback.simulated_users import SimulatedUser, label_pairs  # noqa: PLC0415
+
+        c, r, scorer = self.cfg, self.last, self.collector.reward_model
+        if scorer is None:
+            raise ConfigError("monitor.action='refresh' needs reward.source='reward_model'")
+        user = SimulatedUser(beta=c.user_beta, bias=c.user_bias, feature=c.user_feature, flip=c.user_flip)
+        rng = random.Random(int(self.rng.integers(2**31)))
+        pairs, G = [], r.group_size
+        for g in range(len(r.task_ids)):
+            task = self.collector.tasks.tasks[int(r.task_ids[g])]
+            rows = [i for i in range(g * G, (g + 1) * G) if r.valid[i]]
+            pairs += label_pairs(user, task.completion_prompt(), [r.texts[i] for i in rows],
+                                 [float(r.pass_fraction[i]) for i in rows], rng, prefix=f"refresh{self.refreshes}-{g}-")
+        rng.shuffle(pairs)
+        pairs = pairs[:c.refresh_pairs]
+        if len(pairs) < 2:
+            self.ctx.say(f"monitor: at step {step} the batch has too few distinct completions to label; no refresh")
+            return
+        self.refreshes += 1
+        train_cfg = rm_lib.train_config(steps=c.refresh_steps, batch_pairs=min(8, len(pairs)), eval_every=c.refresh_steps,
+                                        max_len=scorer.max_len, seed=self.refreshes)
+        train_cfg.optim.update(lr=c.refresh_lr, total_steps=c.refresh_steps, warmup_steps=min(5, c.refresh_steps))
+        model = nnx.merge(scorer.graphdef, scorer.params)
+        new, _ = rm_lib.train_reward_model(model, scorer.tokenizer, pairs, [], train_cfg, log=lambda m: None)
+        scorer.params = new.params
+        self.ctx.say(f"monitor: proxy and gold diverge at step {step}: reward model trained on {len(pairs)} new choices "
+                     f"for {c.refresh_steps} steps")
 
 
 def summary_metrics(cfg: Any) -> list[str]:
@@ -384,8 +512,15 @@ def summary_metrics(cfg: Any) -> list[str]:
     return out + ["rollout/reward", "rollout/pass@1"]
 
 
+def keeps_reference(cfg: Any) -> bool:
+    """A run against a learned reward logs its KL from the start policy, and a monitor may raise
+    the KL coefficient: both need the start policy's parameters."""
+    monitored = "monitor" in cfg and cfg.monitor.enabled
+    return cfg.reward.get("source", "tests") == "reward_model" or monitored
+
+
 JOB = Job(name="synth", validate=validate_config, pool_timeout=lambda cfg: cfg.reward.timeout, setup=setup,
-          plan=plan, label=lambda cfg: str(cfg.objective), summary_metrics=summary_metrics)
+          plan=plan, label=lambda cfg: str(cfg.objective), summary_metrics=summary_metrics, reference=keeps_reference)
 
 
 def run(cfg: Any, *, pool: Any = None, log: Callable[[str], None] | None = None,

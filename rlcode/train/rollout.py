@@ -254,11 +254,14 @@ class RolloutCollector:
       reward: the `SynthRewardConfig`; shaping: the recipe's `ShapingConfig`.
       group_size: G samples per prompt.
       sample_fn: the sampler (default `rlcode.sampling.sample`); the signature of that function.
+      reward_model: the learned reward (`rlcode.feedback.reward_model.RewardModel`) that scores
+        each completion after its task's prompt when ``reward.source="reward_model"``; the
+        tests still run (the gold objective: ``pass_fraction``, ``passed``), but pay nothing.
     """
 
     def __init__(self, graphdef: Any, tasks: EncodedTasks, tokenizer: Tokenizer, grader: Grader,
                  sampling: SamplingConfig, reward: SynthRewardConfig, shaping: ShapingConfig, group_size: int,
-                 sample_fn: Callable = sample):
+                 sample_fn: Callable = sample, reward_model: Any = None):
         expect_type(sampling, SamplingConfig, "sampling")
         expect_type(reward, SynthRewardConfig, "reward")
         expect_type(shaping, ShapingConfig, "shaping")
@@ -273,6 +276,10 @@ class RolloutCollector:
         self.shaping = shaping
         self.group_size = group_size
         self.sample_fn = sample_fn
+        if (reward.source == "reward_model") != (reward_model is not None):
+            raise ValueError(f"reward.source={reward.source!r} " + ("needs a reward model" if reward_model is None
+                                                                    else "takes no reward model"))
+        self.reward_model = reward_model
 
     def decode(self, tokens: np.ndarray, lengths: np.ndarray) -> list[str]:
         eos = self.tokenizer.eos_id
@@ -299,15 +306,21 @@ class RolloutCollector:
         row_tasks = [self.tasks.tasks[i] for i in np.repeat(task_ids, G)]
         frac, valid, timed_out, counts = self.grader.grade(row_tasks, texts)
         t2 = time.perf_counter()
+        preference = None
+        if self.reward_model is not None:
+            preference = self.reward_model.score([t.completion_prompt() for t in row_tasks], texts)
+        t3 = time.perf_counter()
 
         M = self.sampling.max_new_tokens
         mask = np.asarray(out.mask, bool)
         stopped = np.isin(tokens, np.asarray(self.sampling.stop_ids)).any(-1)
         truncated = ~stopped & (lengths >= M)
         rewards, terms = synth_rewards(frac, valid, truncated, lengths, M, self.reward,
-                                       self.shaping.overlong_cache_length)
+                                       self.shaping.overlong_cache_length, preference)
         stats = dict(counts, sample_s=t1 - t0, execute_s=t2 - t1, generated_tokens=float(mask.sum()),
                      truncated=float(truncated.sum()))
+        if preference is not None:
+            stats["reward_model_s"] = t3 - t2
         return Rollout(task_ids=task_ids, prompts=prompts, prompt_lengths=prompt_lengths, tokens=tokens,
                        logprobs=np.asarray(out.logprobs, np.float32), mask=mask, lengths=lengths, rewards=rewards,
                        terms=terms, valid=valid, passed=(frac >= 1.0) & valid, pass_fraction=frac,

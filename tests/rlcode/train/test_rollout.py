@@ -158,7 +158,8 @@ def test_rewards_valid_and_terms(tasks):
     assert r.rewards.tolist() == [1.0, 0.0, 0.0, 1.0]
     assert r.valid.tolist() == [True, True, False, True]
     assert r.passed.tolist() == [True, False, False, True]
-    assert set(r.terms) == {"tests", "overlong", "truncated"}
+    assert set(r.terms) == {"tests", "preference", "overlong", "truncated"}
+    assert not r.terms["preference"].any()  # the tests are the reward by default
     np.testing.assert_allclose(sum(r.terms.values()), r.rewards)
     # A row that hits max_new_tokens without the stop token is truncated and penalised.
     c = _collector(tasks, [["PASS" * 20, "x", "x", "x"]], reward=reward_config(truncation_penalty=0.5))
