@@ -1,7 +1,7 @@
 """Reward over-optimisation: GRPO against a learned reward, with the gold objective logged beside it.
 
     python -m experiments.reward_model --biases=1.5      # first: a reward model from biased users' choices
-    python -m experiments.overoptimization               # the runs against it, the table and the figure
+    python -m experiments.overoptimization               # the runs against it, the table and the figure (~40 min)
     python -m experiments.overoptimization --table_only  # the table and figure from finished runs
 
 The main job (configs/grpo_synth.py: SFT warm start, then GRPO) with ``reward.source=reward_model``:
@@ -51,12 +51,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--reward_model", default=DEFAULT_REWARD_MODEL,
                    help="a reward model directory (RewardModel.save; experiments/reward_model.py writes one per bias)")
-    p.add_argument("--kl_coefs", default="0,0.05,0.2", help="loss.kl_coef of sweep 1 (comma-separated)")
-    p.add_argument("--actions", default="raise_kl,refresh", help="monitor.action of sweep 2 (comma-separated; empty: none)")
+    p.add_argument("--kl_coefs", default="0,0.2", help="loss.kl_coef of sweep 1 (comma-separated)")
+    p.add_argument("--actions", default="raise_kl", help="monitor.action of sweep 2 (comma-separated; empty: none)")
     p.add_argument("--monitor_kl", type=float, default=0.0, help="loss.kl_coef of sweep 2")
-    p.add_argument("--steps", type=int, default=150, help="GRPO steps per run")
+    p.add_argument("--steps", type=int, default=50, help="GRPO steps per run")
     p.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1 per run")
-    p.add_argument("--smooth", type=int, default=10, help="steps per moving average in the table and figure")
+    p.add_argument("--smooth", type=int, default=5, help="steps per moving average in the table and figure")
     p.add_argument("--set", action="append", default=[], dest="sets", metavar="FIELD=VALUE",
                    help="override of configs/grpo_synth.py for every run (repeatable)")
     p.add_argument("--out", default=os.path.join("runs", NAME), help="run directory")
@@ -91,7 +91,8 @@ def sweeps(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
               "--metric=eval/pass@1", "--set=reward.source=reward_model",
               f"--set=reward.reward_model={os.path.abspath(args.reward_model)}", f"--set=train.steps={args.steps}",
               "--set=monitor.enabled=True", "--set=eval.every=0", "--set=eval.at_start=False",
-              *[f"--set={s}" for s in args.sets]]
+              # Verdicts every 5 steps (the first after 20): the drift is fast without a KL penalty.
+              "--set=monitor.window=5", "--set=monitor.cooldown=10", *[f"--set={s}" for s in args.sets]]
     out = []
     if args.kl_list:
         out.append(("kl", [*common, "--name=kl", "--set=monitor.action=log",
@@ -115,8 +116,8 @@ def curves(workdir: str) -> dict[str, Any]:
     from rlcode.train.metrics import read_jsonl  # noqa: PLC0415
 
     rows = [r for r in read_jsonl(os.path.join(workdir, "tb")) if PROXY in r]
-    actions = {int(r["step"]): r["monitor/action"] for r in read_jsonl(os.path.join(workdir, "tb"))
-               if "monitor/action" in r}
+    # monitor/action: 1 + the index of the action in MONITOR_ACTIONS; 1 ("log") is a flag only.
+    actions = {int(r["step"]) for r in read_jsonl(os.path.join(workdir, "tb")) if r.get("monitor/action", 1.0) > 1.0}
     get = lambda k: [float(r.get(k, float("nan"))) for r in rows]
     return {"step": [int(r["step"]) for r in rows], "proxy": get(PROXY), "gold": get(GOLD),
             "pass@1": get("rollout/pass@1"), "kl": get(KL), "kl_coef": get("rollout/kl_coef"),
@@ -129,12 +130,13 @@ def run_summary(label: str, run: dict, width: int) -> dict[str, Any]:
     if not c["step"]:
         return out
     gold, proxy, kl = smooth(c["gold"], width), smooth(c["proxy"], width), smooth(c["kl"], width)
-    peak = int(np.argmax(gold))
+    first = min(width, len(gold)) - 1  # the first full moving average: the peak is searched from there
+    peak = first + int(np.argmax(gold[first:]))
     flags = [s for s, d in zip(c["step"], c["diverged"]) if d == 1.0]
     out.update({
-        "gold_start": float(gold[min(width, len(gold)) - 1]), "gold_peak": float(gold[peak]),
+        "gold_start": float(gold[first]), "gold_peak": float(gold[peak]),
         "gold_peak_step": c["step"][peak], "kl_at_gold_peak": float(kl[peak]), "gold_final": float(gold[-1]),
-        "proxy_start": float(proxy[min(width, len(proxy)) - 1]), "proxy_final": float(proxy[-1]),
+        "proxy_start": float(proxy[first]), "proxy_final": float(proxy[-1]),
         "kl_final": float(kl[-1]), "first_flag_step": flags[0] if flags else None, "action_steps": c["actions"],
         "kl_coef_final": c["kl_coef"][-1], "final_eval/pass@1": (run.get("final") or {}).get("metric")})
     return out

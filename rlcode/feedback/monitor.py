@@ -53,7 +53,8 @@ class MonitorConfig(TypedSection):
     window. span: windows pooled into one estimate (the current one and the peak). tolerance: the smallest gold drop (absolute, in gold units) that counts. z: standard
     errors the drop must also exceed. proxy_slack: how far the proxy may fall from its value at the
     gold peak and still count as "not falling". min_windows: complete windows before the first
-    verdict. action: "log" | "stop" | "raise_kl" | "refresh". kl_factor: the KL coefficient's
+    verdict (at least 2 * span: the peak and the current span share no rows, so the first verdict
+    comes after 2 * span * window steps). action: "log" | "stop" | "raise_kl" | "refresh". kl_factor: the KL coefficient's
     factor per "raise_kl" (a coefficient of 0 becomes `kl_floor`). cooldown: steps after an action
     before the next verdict. refresh_pairs: choices labelled per "refresh"; refresh_steps,
     refresh_lr: reward-model training steps on them and their peak learning rate. user_beta,
@@ -164,12 +165,10 @@ class OveroptimizationMonitor:
 
     def _verdict(self, out: dict[str, float]) -> bool:
         span, n = self.cfg.span, len(self.windows)
-        if n < max(self.cfg.min_windows, span + 1):
+        if n < max(self.cfg.min_windows, 2 * span):
             return False
         # The peak: the best span that ends before the current one starts (no shared rows).
         earlier = [self._span(end) for end in range(span - 1, n - span)]
-        if not earlier:
-            return False
         p_peak, g_peak, se_peak = max(earlier, key=lambda x: x[1])
         p_now, g_now, se_now = self._span(n - 1)
         se = math.sqrt(se_now ** 2 + se_peak ** 2)

@@ -37,7 +37,7 @@ def test_the_two_sweeps_are_ablate_grids_against_the_reward_model(tmp_path):
     for argv in (kl, mon):
         assert "--set=reward.source=reward_model" in argv and "--set=monitor.enabled=True" in argv
         assert f"--set=reward.reward_model={tmp_path / 'rm'}" in argv and argv[-1].startswith("--sweep=")
-        assert argv.index("--set=train.steps=150") < argv.index("--set=train.steps=7")  # --set comes last, wins
+        assert argv.index("--set=train.steps=50") < argv.index("--set=train.steps=7")  # --set comes last, wins
     assert "--sweep=loss.kl_coef:0.0,0.2" in kl and "--set=monitor.action=log" in kl
     assert "--sweep=monitor.action:raise_kl,stop" in mon and "--set=loss.kl_coef=0.05" in mon
 
@@ -71,7 +71,7 @@ def test_sweeps_run_against_the_reward_model_and_report_proxy_gold_and_kl(tmp_pa
         c = r["curves"]
         assert c["step"] == [1, 2, 3] and c["kl"][0] == 0.0  # step 1 samples with the start policy
         assert all(0 <= g <= 1 for g in c["gold"]) and all(np.isfinite(c["proxy"]))
-        assert r["gold_peak"] == pytest.approx(max(overoptimization.smooth(c["gold"], 2)))
+        assert r["gold_peak"] == pytest.approx(max(overoptimization.smooth(c["gold"], 2)[1:]))  # full averages
         assert r["kl_final"] == pytest.approx(overoptimization.smooth(c["kl"], 2)[-1])
         cfg = json.load(open(os.path.join(r["workdir"], "config.json")))
         assert cfg["reward"]["source"] == "reward_model" and cfg["monitor"]["enabled"]
