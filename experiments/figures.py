@@ -109,6 +109,7 @@ PRODUCERS = {
     "results/hack_suite.json": "python -m experiments.hack_suite --publish",
     "docs/figures/pretrain_code.json": PLOT_PRETRAIN,
     "results/reward_model.json": "python -m experiments.reward_model --publish",
+    "results/overoptimization.json": "python -m experiments.overoptimization --publish (after experiments.reward_model)",
     "results/agent_repo.json": f"{TRAIN_AGENT}, then summarise the run into it "
                                "(schema: experiments.figures.draw_agent_repo)",
 }
@@ -476,6 +477,20 @@ def reward_model_notes(data: dict) -> str:
             "Held-out prompts:\n\n" + "\n".join(lines))
 
 
+def overoptimization_notes(data: dict) -> str:
+    d = data["results/overoptimization.json"]
+    lines = ["| run | gold at start -> peak (step) -> end | proxy start -> end | KL at end (nats) | monitor's first flag | "
+             "actions at steps |", "|---|---|---|---|---|---|"]
+    for r in d["runs"]:
+        if "gold_peak" not in r:
+            continue
+        lines.append(f"| {r['label']} | {r['gold_start']:.3f} -> {r['gold_peak']:.3f} ({r['gold_peak_step']}) -> "
+                     f"{r['gold_final']:.3f} | {r['proxy_start']:.2f} -> {r['proxy_final']:.2f} | {r['kl_final']:.1f} | "
+                     f"{r['first_flag_step']} | {', '.join(map(str, r['action_steps'])) or '-'} |")
+    return (f"Moving averages of {d['smooth']} steps over all 64 rows of each batch, one seed per run:\n\n"
+            + "\n".join(lines))
+
+
 def bench_attention_notes(data: dict) -> str:
     d = data["results/bench_attention.json"]
     return (f"Device {d['device']} ({d['backend']}), {d['dtype']}, shape {d['shape']}, NSA {d['nsa']}, "
@@ -609,6 +624,18 @@ FIGURES: dict[str, FigureSpec] = {f.name: f for f in (
         "against gold, the fraction of held-out tests each candidate passes (dashed), for unbiased users and users "
         "who favour comment lines.",
         ("python -m experiments.reward_model --publish",), notes=reward_model_notes),
+    FigureSpec(
+        "overoptimization", ("results/overoptimization.json",),
+        lambda d, out: script("overoptimization").plot(d["results/overoptimization.json"]["runs"],
+                                                       d["results/overoptimization.json"]["smooth"], out),
+        "GRPO from the main job's SFT policy against the reward model of the biased users (1.5 logits per comment "
+        "line), one seed per run: the proxy (the reward model's score) and gold (the fraction of held-out tests "
+        "passed, which pays nothing) against the square root of the KL from the start policy, for KL "
+        "coefficients 0 and 0.2 (the monitor only logging) and with the monitor raising the KL coefficient from 0 "
+        "(the same run as KL 0 until the monitor acts, so its line covers that one's). The monitor sees 8 audited rows "
+        "a step in windows of 5 steps.",
+        ("python -m experiments.reward_model --publish", "python -m experiments.overoptimization --publish"),
+        notes=overoptimization_notes),
     FigureSpec(
         "bench_moe", ("results/bench_moe.json",),
         lambda d, out: script("bench_moe").plot(d["results/bench_moe.json"]["rows"], out,
