@@ -116,7 +116,7 @@ def curves(workdir: str) -> dict[str, Any]:
     from rlcode.train.metrics import read_jsonl  # noqa: PLC0415
 
     rows = [r for r in read_jsonl(os.path.join(workdir, "tb")) if PROXY in r]
-    # monitor/action: 1 + the index of the action in MONITOR_ACTIONS; 1 ("log") is a flag only.
+    # monitor/action: 1 + the action's index in rlcode.feedback.monitor.MONITOR_ACTIONS; 1 ("log") is a flag only.
     actions = {int(r["step"]) for r in read_jsonl(os.path.join(workdir, "tb")) if r.get("monitor/action", 1.0) > 1.0}
     get = lambda k: [float(r.get(k, float("nan"))) for r in rows]
     return {"step": [int(r["step"]) for r in rows], "proxy": get(PROXY), "gold": get(GOLD),

@@ -56,7 +56,7 @@ from rlcode.train import memory
 from rlcode.train.engine import Context, Job, Plan, RunResult, train
 from rlcode.train.metrics import eval_summary
 from rlcode.envs.rewards import SYNTH_REWARD_SPECS, SynthRewardConfig, synth_reward_config
-from rlcode.feedback.monitor import MonitorConfig, OveroptimizationMonitor, audit_rows, monitor_config
+from rlcode.feedback.monitor import MONITOR_ACTIONS, MonitorConfig, OveroptimizationMonitor, audit_rows, monitor_config
 from rlcode.train.rollout import (EncodedTasks, Grader, Rollout, RolloutCollector, RolloutConfig, encode_tasks,
                                   trim_batch)
 from rlcode.train.schema import MAX_SANDBOX_WORKERS, SEED, check_common, check_schema, mesh_sizes
@@ -456,7 +456,7 @@ class Monitoring:
         self.flagged = False
         action = self.cfg.action
         self.monitor.acted(self._step - 1, action)
-        self.ctx.writer.scalars(step, {"monitor/action": float(1 + ("log", "stop", "raise_kl", "refresh").index(action))})
+        self.ctx.writer.scalars(step, {"monitor/action": float(1 + MONITOR_ACTIONS.index(action))})
         if action == "log":
             self.ctx.say(f"monitor: proxy and gold diverge at step {step} (logged only)")
             return None
@@ -476,9 +476,7 @@ class Monitoring:
         from rlcode.feedback import reward_model as rm_lib  # noqa: PLC0415
         from rlcode.feedback.simulated_users import SimulatedUser, label_pairs  # noqa: PLC0415
 
-        c, r, scorer = self.cfg, self.last, self.collector.reward_model
-        if scorer is None:
-            raise ConfigError("monitor.action='refresh' needs reward.source='reward_model'")
+        c, r, scorer = self.cfg, self.last, self.collector.reward_model  # validate_config: a reward model exists
         user = SimulatedUser(beta=c.user_beta, bias=c.user_bias, feature=c.user_feature, flip=c.user_flip)
         rng = random.Random(int(self.rng.integers(2**31)))
         pairs, G = [], r.group_size
