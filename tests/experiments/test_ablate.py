@@ -18,6 +18,7 @@ import pytest
 
 from experiments import ablate
 from rlcode.train.metrics import EventWriter, read_jsonl
+from support.cli import foreground, sigint_state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(ROOT, "configs", "grpo_synth.py")
@@ -423,13 +424,14 @@ def test_ctrl_c_stops_the_child_once_and_writes_the_partial_table(fake_trainer):
     cmd = [sys.executable, "-m", "experiments.ablate", f"--config={CONFIG}", "--sweep=loss:grpo,dapo",
            f"--out_dir={tmp / 'runs'}", f"--results_dir={tmp / 'results'}", "--train_module=fake_train"]
     # Its own process group, like a shell job: Ctrl-C in a terminal signals the whole group.
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(foreground(cmd), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
     started = tmp / "runs" / "loss=grpo" / "seed0" / "started"
     deadline = time.time() + 60
     while not started.exists() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.05)
     assert started.exists(), proc.communicate()[0]
+    assert sigint_state(proc.pid) == "deliverable"
     os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 130, out

@@ -19,6 +19,7 @@ import time
 import pytest
 
 from experiments import ablate
+from support.cli import foreground, sigint_state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(ROOT, "configs", "grpo_synth.py")
@@ -370,7 +371,7 @@ def test_the_cli_joins_a_cluster_by_address_and_ctrl_c_stops_its_runs_once(clust
     argv = [*grid(out, {"hold": True}, seeds=1), *RAY]
     argv[argv.index("--sweep=loss:grpo,dapo")] = "--sweep=loss:grpo,dapo,gspo"
     # Its own process group, like a shell job: Ctrl-C in a terminal signals the whole group.
-    proc = subprocess.Popen([sys.executable, "-m", "experiments.ablate", *argv, f"--ray_address={address}"],
+    proc = subprocess.Popen(foreground([sys.executable, "-m", "experiments.ablate", *argv, f"--ray_address={address}"]),
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
@@ -378,6 +379,7 @@ def test_the_cli_joins_a_cluster_by_address_and_ctrl_c_stops_its_runs_once(clust
         while len(list(out.glob("*/seed0/holding"))) < 2 and time.time() < deadline and proc.poll() is None:
             time.sleep(0.05)
         assert len(list(out.glob("*/seed0/holding"))) == 2, proc.communicate()[0]
+        assert sigint_state(proc.pid) == "deliverable"
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
         stdout, _ = proc.communicate(timeout=120)
     finally:
