@@ -89,14 +89,18 @@ def test_forward_and_gradients_match_dense_oracle(impl, layout):
     vis = np.stack([squid_mask(seg[b], glob[b]) for b in range(2)])
     scale = H**-0.5
     want = dense_oracle(q, k, v, vis, scale)
-    got = _run(impl, q, k, v, seg, glob, block)
+    do = rng.standard_normal(q.shape).astype(np.float32)
+
+    @jax.jit  # one compiled forward and backward (eagerly, each operation compiles on its own)
+    def forward_and_grads(a, b, c):
+        out, vjp = jax.vjp(lambda a, b, c: _run(impl, a, b, c, seg, glob, block), a, b, c)
+        return out, vjp(do)
+
+    got, grads = forward_and_grads(q, k, v)
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
     assert np.all(np.asarray(got)[seg < 0] == 0)
 
-    do = rng.standard_normal(q.shape).astype(np.float32)
-    _, vjp = jax.vjp(lambda a, b, c: _run(impl, a, b, c, seg, glob, block), q, k, v)
-    grads = vjp(do)
-
+    @jax.jit
     def dense64(a, b, c):
         s = jnp.einsum("btnh,bsnh->bnts", a, jnp.repeat(b, N // K, axis=2)) * scale
         s = jnp.where(vis[:, None], s, -jnp.inf)
