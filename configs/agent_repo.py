@@ -38,6 +38,7 @@ import ml_collections
 
 from rlcode.checks import parse_config_arg
 from rlcode.envs.rewards import reward_config
+from rlcode.feedback.behaviour import behaviour_config
 from rlcode.models.attention import attention_config
 from rlcode.models.lora import lora_config
 from rlcode.models.transformer import model_config
@@ -124,5 +125,8 @@ def get_config(arg=None):
     cfg.eval = ml_collections.ConfigDict({"every": 25, "num_samples": 2, "at_start": True, "at_end": True,
                                           "batch_rows": 40})
     cfg.log = ml_collections.ConfigDict({"text_every": 10, "record_every": 10})
+    # Behaviour statistics (submit rate, malformed actions, length) against the run's first steps,
+    # logged to TensorBoard; action "stop" ends the run at a shift (rlcode.feedback.behaviour).
+    cfg.behaviour = behaviour_config()
     cfg.checkpoint = ml_collections.ConfigDict({"every": 10, "keep": 2})
     return cfg

@@ -46,6 +46,7 @@ from rlcode.models.transformer import model_config
 from rlcode.recipes import RECIPES, recipe
 from rlcode.sharding import mesh_config
 from rlcode.envs.rewards import synth_reward_config
+from rlcode.feedback.behaviour import behaviour_config
 from rlcode.feedback.monitor import monitor_config
 from rlcode.envs.tasks.protocol import COMPLETION_SOURCES
 from rlcode.train.pretrain import start_from_base
@@ -92,7 +93,11 @@ def get_config(arg=None):
     # distribution, never trained on (an in-distribution check, logged as eval_fresh/).
     cfg.task = ml_collections.ConfigDict(
         {"source": "synth", "levels": (1, 2), "num_train": 4000, "num_eval": 64, "num_fresh": 64,
-         "max_prompt_len": 192, "seed": 0})
+         "max_prompt_len": 192, "seed": 0,
+         # Clarifying questions (off): a completion starting with "# ask:" asks instead of answering
+         # (not executed; reward.question_reward); question_demos: the fraction of SFT
+         # demonstrations that ask (experiments/clarifying_questions.py).
+         "allow_questions": False, "question_demos": 0.0})
     cfg.sampling = ml_collections.ConfigDict({"max_new_tokens": 80, "temperature": 1.0, "top_k": 0, "top_p": 1.0})
     if from_base:
         cfg.task.max_prompt_len = BPE_LENGTHS["max_prompt_len"]
@@ -114,6 +119,9 @@ def get_config(arg=None):
     # Off by default: the over-optimisation monitor of a run against a learned reward
     # (reward.source="reward_model"; experiments/overoptimization.py).
     cfg.monitor = monitor_config()
+    # On by default, logging only: behaviour statistics (answer / question / malformed rates,
+    # length) against the run's first steps (rlcode.feedback.behaviour).
+    cfg.behaviour = behaviour_config()
 
     name = choices["loss"]
     if name not in RECIPES:

@@ -178,10 +178,11 @@ def compute_reward(grade: grading.GradeResult, trajectory: Any, task: Any,
 
 SYNTH_TEST_REWARDS = ("all_pass", "pass_fraction")
 SYNTH_REWARD_SOURCES = ("tests", "reward_model")
-SYNTH_TERMS = ("tests", "preference", "overlong", "truncated")
+SYNTH_TERMS = ("tests", "preference", "overlong", "truncated", "wrong", "question")
 SYNTH_REWARD_SPECS = {"tests": text(SYNTH_TEST_REWARDS), "truncation_penalty": real(0),
                       "timeout": real(0, low_open=True), "source": text(SYNTH_REWARD_SOURCES, required=False),
-                      "reward_model": text(required=False), "preference_weight": real(0, low_open=True, required=False)}
+                      "reward_model": text(required=False), "preference_weight": real(0, low_open=True, required=False),
+                      "wrong_penalty": real(0, required=False), "question_reward": real(required=False)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,6 +194,9 @@ class SynthRewardConfig(TypedSection):
     source: "tests" (the held-out tests are the reward) or "reward_model" (a learned reward: the
     score of the reward model saved in directory `reward_model`, times `preference_weight`; the
     tests still run and are logged as the gold objective, but pay nothing).
+    wrong_penalty: subtracted from an answer that does not pass every test (0: a wrong answer
+    costs nothing beyond the tests it missed). question_reward: the reward of a clarifying
+    question (a job that allows them: ``task.allow_questions``); the tests term of a question is 0.
     """
 
     SPECS = SYNTH_REWARD_SPECS
@@ -204,6 +208,8 @@ class SynthRewardConfig(TypedSection):
     source: str = "tests"
     reward_model: str = ""
     preference_weight: float = 1.0
+    wrong_penalty: float = 0.0
+    question_reward: float = 0.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -219,7 +225,8 @@ def synth_reward_config(**overrides: Any) -> ml_collections.ConfigDict:
 
 def synth_rewards(pass_fraction: np.ndarray, valid: np.ndarray, truncated: np.ndarray, lengths: np.ndarray,
                   max_new_tokens: int, config: SynthRewardConfig, overlong_cache_length: int = 0,
-                  preference: np.ndarray | None = None) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+                  preference: np.ndarray | None = None,
+                  questions: np.ndarray | None = None) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """(rewards [B], terms {name: [B]}) of B graded completions, ``rewards == sum(terms)``:
 
     * ``tests``: 1 if every held-out check passed (``tests="all_pass"``) or the fraction passed
@@ -230,6 +237,9 @@ def synth_rewards(pass_fraction: np.ndarray, valid: np.ndarray, truncated: np.nd
       (docs/reference.md §3; `rlcode.advantages.overlong_penalty`);
     * ``truncated``: ``-truncation_penalty`` for a row that hit ``max_new_tokens`` without its
       stop token (its body is cut, so it usually fails anyway; the term makes the reason visible).
+    * ``wrong``: ``-wrong_penalty`` for an answer that did not pass every test;
+    * ``question``: ``question_reward`` for a row of `questions` (a clarifying question instead of
+      an answer: not executed, so its ``tests`` and ``wrong`` terms are 0).
 
     A row that is not `valid` (an infrastructure failure) gets 0 in every term: it is masked,
     never scored as a failure of the policy.
@@ -246,8 +256,13 @@ def synth_rewards(pass_fraction: np.ndarray, valid: np.ndarray, truncated: np.nd
         if not np.isfinite(learned[np.asarray(valid, bool)]).all():
             raise FloatingPointError("the reward model scored a completion as non-finite")
         tests = np.zeros_like(tests)
-    terms = {"tests": tests, "preference": learned,
-             "truncated": -config.truncation_penalty * np.asarray(truncated, np.float32)}
+    asked = np.zeros(tests.shape, bool) if questions is None else np.asarray(questions, bool)
+    if asked.shape != tests.shape:
+        raise ValueError(f"questions has shape {asked.shape}, expected {tests.shape}")
+    wrong = -config.wrong_penalty * ((frac < 1.0) & ~asked).astype(np.float32)
+    terms = {"tests": np.where(asked, 0.0, tests), "preference": learned,
+             "truncated": -config.truncation_penalty * np.asarray(truncated, np.float32),
+             "wrong": wrong, "question": config.question_reward * asked.astype(np.float32)}
     if overlong_cache_length:
         terms["overlong"] = np.asarray(adv_lib.overlong_penalty(jnp.asarray(lengths), max_new_tokens,
                                                                 overlong_cache_length), np.float32)

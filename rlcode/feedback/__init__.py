@@ -7,4 +7,7 @@
 * `simulated_users`: preferences drawn from a hidden ground truth with label noise and a
   systematic bias, and candidate completions of the synthesis tasks to label, for experiments
   that need no people.
+* `monitor`: over-optimisation of a learned reward, caught online from a gold-labelled audit sample.
+* `behaviour`: shifts of a policy's behaviour (answering, asking clarifying questions, malformed
+  calls, length) against the start of its run, in both RL jobs.
 """

@@ -39,6 +39,7 @@ import numpy as np
 from rlcode.checks import ConfigError, config_errors, flag, integer, real, schema_from_defaults, sequence, text
 from rlcode.envs import grading, rewards, tools
 from rlcode.envs.tasks import repo as repo_tasks
+from rlcode.feedback.behaviour import BehaviourConfig, BehaviourWatch, behaviour_config
 from rlcode.session_sampling import PREFILL_MODES, SessionSampler, prefill_metrics
 from rlcode.tokenizer import Tokenizer, job_tokenizer
 from rlcode.train import memory
@@ -129,6 +130,7 @@ AGENT_SECTIONS = {
     "eval": {"every": integer(0), "num_samples": integer(1), "at_start": flag(), "at_end": flag(),
              "batch_rows": integer(1)},
     "log": {"text_every": integer(0), "record_every": integer(0)},
+    "behaviour": schema_from_defaults(behaviour_config(), BehaviourConfig.SPECS),
 }
 
 
@@ -139,7 +141,8 @@ def validate_config(cfg: Any, num_devices: int | None = None,
     (`rlcode.train.schema`: every field's type and range, unknown fields, the shared sections'
     constraints, the mesh against `num_devices`, the memory estimate against `budget`), with
     the agent's own sections (`AGENT_SECTIONS`) and constraints."""
-    check_schema(cfg, AGENT_SECTIONS)
+    # The behaviour section is optional (configs written before it have none).
+    check_schema(cfg, {k: v for k, v in AGENT_SECTIONS.items() if k != "behaviour" or k in cfg})
     check_common(cfg, num_devices)
     tok = job_tokenizer(cfg.get("tokenizer", "byte"), cfg.model.get("init_from", ""))
     if None in (tok.im_start_id, tok.im_end_id, tok.tool_call_start_id, tok.tool_call_end_id):
@@ -272,16 +275,33 @@ def plan(ctx: Context, tasks: dict) -> Plan:
                                                 if k in out) + f" ({out['time/eval_s']:.0f} s)")
         return out
 
+    behaviour = BehaviourWatch(cfg.get("behaviour"), ctx.say)
+
     def metrics(b: EpisodeBatch):
         out = episode_metrics(b.episodes, "rollout")
         out.update(prefill_metrics(b.stats))
+        out.update(behaviour.observe(behaviour_rows([e for e in b.episodes if e.valid])))
         out["time/sample_s"] = b.seconds
         return out
 
     return Plan(collect=collect, prepare=prepare, evaluate=run_eval, metrics=metrics,
                 progress=lambda s, last_eval: {"reward": s["rollout/reward"], "success": s["rollout/success"],
                                                "saved": s.get("prefill/saved_vs_incremental", 0.0)},
-                texts=lambda b: {"rollout/episode": tok.decode(b.episodes[0].trajectory.ids)[-4000:]})
+                texts=lambda b: {"rollout/episode": tok.decode(b.episodes[0].trajectory.ids)[-4000:]},
+                control=lambda step, scalars: behaviour.control(step))
+
+
+def behaviour_rows(episodes: Sequence[Any]) -> dict[str, np.ndarray]:
+    """Per-episode behaviour statistics (`rlcode.feedback.behaviour`): answered = ended with submit;
+    malformed = the fraction of its actions (tool calls, and action turns without any call) that
+    were malformed or missing; length = tokens generated. The agent has no question action, so no
+    question rate."""
+    trajs = [e.trajectory for e in episodes]
+    actions = [len(t.tool_calls) + t.num_no_call_turns for t in trajs]
+    return {"answer_rate": np.array([t.submitted for t in trajs], np.float64),
+            "malformed_rate": np.array([(t.num_malformed_calls + t.num_no_call_turns) / max(a, 1)
+                                        for t, a in zip(trajs, actions)], np.float64),
+            "length": np.array([rewards.generated_tokens(t) for t in trajs], np.float64)}
 
 
 def summary_metrics(cfg: Any) -> list[str]:

@@ -48,7 +48,7 @@ from rlcode import advantages as adv_lib
 from rlcode import losses
 from rlcode.checks import ConfigError, flag, integer, real, schema_from_defaults, sequence, text
 from rlcode.envs.tasks import synth
-from rlcode.envs.tasks.protocol import COMPLETION_SOURCES
+from rlcode.envs.tasks.protocol import COMPLETION_SOURCES, QUESTION_DEMO
 from rlcode.recipes import ShapingConfig
 from rlcode.sampling import SampleOutput, SamplingConfig, to_training_batch
 from rlcode.tokenizer import ByteTokenizer
@@ -56,6 +56,7 @@ from rlcode.train import memory
 from rlcode.train.engine import Context, Job, Plan, RunResult, train
 from rlcode.train.metrics import eval_summary
 from rlcode.envs.rewards import SYNTH_REWARD_SPECS, SynthRewardConfig, synth_reward_config
+from rlcode.feedback.behaviour import BehaviourConfig, BehaviourWatch, behaviour_config
 from rlcode.feedback.monitor import MONITOR_ACTIONS, MonitorConfig, OveroptimizationMonitor, audit_rows, monitor_config
 from rlcode.train.rollout import (EncodedTasks, Grader, Rollout, RolloutCollector, RolloutConfig, encode_tasks,
                                   trim_batch)
@@ -67,11 +68,13 @@ from rlcode.train.step import make_logprob_fn, with_score_index
 
 
 FRESH_SEED_OFFSET = 500_000  # task seeds of the fresh eval pool start here (see `build_tasks`)
+OPTIONAL_SECTIONS = ("monitor", "behaviour")
 SYNTH_SECTIONS = {
     "job": text(("synth",), required=False),
     "task": {"source": text(COMPLETION_SOURCES, required=False),
              "levels": sequence(integer(choices=synth.LEVELS), min_len=1), "num_train": integer(1, FRESH_SEED_OFFSET),
-             "num_eval": integer(1), "num_fresh": integer(0), "max_prompt_len": integer(1), "seed": SEED},
+             "num_eval": integer(1), "num_fresh": integer(0), "max_prompt_len": integer(1), "seed": SEED,
+             "allow_questions": flag(required=False), "question_demos": real(0, 1, required=False)},
     "sampling": {"max_new_tokens": integer(1), "temperature": real(0, low_open=True), "top_k": integer(0),
                  "top_p": real(0, 1, low_open=True)},
     "rollout": {"prompts_per_step": integer(1), "group_size": integer(1), "async_mode": flag(),
@@ -79,6 +82,7 @@ SYNTH_SECTIONS = {
     "sandbox": {"workers": integer(1, MAX_SANDBOX_WORKERS)},
     "reward": schema_from_defaults(synth_reward_config(), SYNTH_REWARD_SPECS),
     "monitor": schema_from_defaults(monitor_config(), MonitorConfig.SPECS),
+    "behaviour": schema_from_defaults(behaviour_config(), BehaviourConfig.SPECS),
     "train": {"steps": integer(1), "epochs": integer(1), "minibatches": integer(1), "microbatches": integer(1),
               "max_minutes": real(0, required=False)},
     "eval": {"every": integer(0), "num_samples": integer(1), "ks": sequence(integer(1), min_len=1),
@@ -94,8 +98,8 @@ def validate_config(cfg: Any, num_devices: int | None = None,
     `schema.common_schema`), the constraints between fields, the mesh against `num_devices` (when
     given) and the memory estimate (`rlcode.train.memory`) against `budget` ([(what, bytes)];
     default: the host's memory and the devices' where jax reports it)."""
-    # The monitor section is optional (configs written before it have none).
-    check_schema(cfg, SYNTH_SECTIONS if "monitor" in cfg else {k: v for k, v in SYNTH_SECTIONS.items() if k != "monitor"})
+    # The monitor sections are optional (configs written before them have none).
+    check_schema(cfg, {k: v for k, v in SYNTH_SECTIONS.items() if k not in OPTIONAL_SECTIONS or k in cfg})
     check_common(cfg, num_devices)
     P, G = cfg.rollout.prompts_per_step, cfg.rollout.group_size
     if cfg.advantage.estimator == "group" and cfg.advantage.normalize in ("std", "rloo") and G < 2:
@@ -116,6 +120,9 @@ def validate_config(cfg: Any, num_devices: int | None = None,
             raise ConfigError("monitor.action='refresh' retrains a reward model: it needs reward.source='reward_model'")
         if cfg.rollout.async_mode:
             raise ConfigError("monitor.enabled=True: the monitor acts between synchronous steps; set rollout.async_mode=False")
+    if cfg.task.get("question_demos", 0.0) > 0 and not cfg.task.get("allow_questions", False):
+        raise ConfigError(f"task.question_demos={cfg.task.question_demos}: demonstrations that ask need "
+                          "task.allow_questions=True")
     if cfg.rollout.async_mode and cfg.rollout.max_staleness < 1:
         raise ConfigError("rollout.async_mode=True needs rollout.max_staleness >= 1")
     if cfg.sampling.top_k > cfg.model.vocab_size:
@@ -287,6 +294,8 @@ def evaluate(collector: RolloutCollector, params: Any, cfg: Any, key: jax.Array,
     metrics = {f"{prefix}/{k}": v for k, v in eval_summary(passed & valid, ks=tuple(cfg.eval.ks)).items()}
     metrics.update({
         f"{prefix}/length": float(lengths.mean()),
+        f"{prefix}/question_rate": float(np.concatenate(
+            [r.behaviour["question_rate"].reshape(-1, n)[:keep] for r, keep in parts]).mean()),
         f"{prefix}/pass_fraction": float(frac.mean()),
         f"{prefix}/infra": float((~valid).sum()),
         f"{prefix}/sample_s": float(sum(r.stats["sample_s"] for r, _ in parts)),
@@ -323,7 +332,29 @@ def setup(ctx: Context) -> tuple[EncodedTasks, tuple]:
     ctx.say(f"tasks ({cfg.task.get('source', 'synth')}): {len(train)} train (SFT demos and RL prompts), {len(evals)} held-out eval, "
             f"{len(fresh) if fresh else 0} fresh in-distribution eval; levels {tuple(cfg.task.levels)}; "
             f"devices: {len(devices)} x {devices[0].platform}")
-    return train, tasks
+    demos = train
+    if cfg.task.get("question_demos", 0.0):
+        demos = question_demos(train, cfg.task.question_demos, ctx.tokenizer, cfg.task.seed)
+        ctx.say(f"SFT demonstrations: {int(round(cfg.task.question_demos * len(train)))} of {len(train)} ask "
+                f"a clarifying question instead of answering (task.question_demos={cfg.task.question_demos})")
+    return demos, tasks
+
+
+def question_demos(demos: EncodedTasks, fraction: float, tokenizer: ByteTokenizer, seed: int) -> EncodedTasks:
+    """`demos` with the targets of round(fraction * N) of them, drawn at random (by `seed`),
+    replaced by the clarifying question `QUESTION_DEMO` (+ EOS): demonstrations of a policy that
+    sometimes asks instead of answering."""
+    ids = tokenizer.encode(QUESTION_DEMO) + [tokenizer.eos_id]
+    if len(ids) > demos.targets.shape[1]:
+        raise ConfigError(f"the demonstrations' question takes {len(ids)} tokens: more than sampling.max_new_tokens="
+                          f"{demos.targets.shape[1]}")
+    n = int(round(fraction * len(demos)))
+    rows = np.random.default_rng([seed, 17]).choice(len(demos), size=n, replace=False)
+    targets, lengths = demos.targets.copy(), demos.target_lengths.copy()
+    targets[rows] = tokenizer.pad_id
+    targets[rows, :len(ids)] = ids
+    lengths[rows] = len(ids)
+    return dataclasses.replace(demos, targets=targets, target_lengths=lengths)
 
 
 def plan(ctx: Context, tasks: tuple) -> Plan:
@@ -346,12 +377,14 @@ def plan(ctx: Context, tasks: tuple) -> Plan:
 
         scorer = load_reward_model(reward.reward_model, batch_size=min(P * G, 64))
         ctx.say(f"reward: the reward model in {reward.reward_model} (the tests are logged as gold, and pay nothing)")
+    asks = bool(cfg.task.get("allow_questions", False))
     collector = RolloutCollector(ctx.graphdef, train_tasks, tok, grader, sampling, reward, shaping, G,
-                                 reward_model=scorer)
+                                 reward_model=scorer, allow_questions=asks)
     eval_collectors = {name: RolloutCollector(ctx.graphdef, tasks, tok, grader, sampling, reward, shaping,
-                                              cfg.eval.num_samples, reward_model=scorer)
+                                              cfg.eval.num_samples, reward_model=scorer, allow_questions=asks)
                        for name, tasks in (("eval", eval_tasks), ("eval_fresh", fresh_tasks)) if tasks is not None}
     monitor = Monitoring(ctx, collector, reward) if "monitor" in cfg and cfg.monitor.enabled else None
+    behaviour = BehaviourWatch(cfg.get("behaviour"), ctx.say)
     base_key = jax.random.key(cfg.seed)
     sample_key, eval_key = jax.random.fold_in(base_key, 1), jax.random.fold_in(base_key, 2)
 
@@ -380,6 +413,8 @@ def plan(ctx: Context, tasks: tuple) -> Plan:
         out = rollout_metrics(r)
         if monitor is not None:
             out.update(monitor.observe(r))
+        out.update(behaviour.observe({k: v[r.valid] for k, v in r.behaviour.items()
+                                      if k != "question_rate" or asks}))
         out.update({"time/sample_s": r.stats["sample_s"], "time/execute_s": r.stats["execute_s"],
                     "throughput/generated_tokens_per_s": r.stats.get("generated_tokens", 0.0)
                     / max(r.stats["sample_s"], 1e-9),
@@ -416,7 +451,8 @@ def plan(ctx: Context, tasks: tuple) -> Plan:
         return batch
 
     def control(step: int, scalars: dict) -> dict | None:
-        return monitor.act(step) if monitor is not None else None
+        acted = monitor.act(step) if monitor is not None else None
+        return behaviour.control(step) or acted
 
     return Plan(collect=collect, prepare=prepare, evaluate=run_eval, metrics=metrics, progress=progress, texts=texts,
                 derived=lambda scalars: dict(kl_logged), control=control)

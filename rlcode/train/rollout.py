@@ -39,7 +39,7 @@ from rlcode.checks import TypedSection, expect_type, integer, real
 from rlcode.checks import flag as boolean
 from rlcode.envs import verdict
 from rlcode.envs.rewards import SynthRewardConfig, synth_rewards
-from rlcode.envs.tasks.protocol import CompletionTask
+from rlcode.envs.tasks.protocol import CompletionTask, is_question
 from rlcode.recipes import ShapingConfig
 from rlcode.sampling import SamplingConfig, sample
 from rlcode.tokenizer import Tokenizer
@@ -147,7 +147,8 @@ class Rollout:
     tokens, logprobs, mask [B, M] (the sampler's output, behaviour log-probs at temperature);
     lengths [B]; rewards [B]; terms {name: [B]}; valid [B] (False = infrastructure failure);
     passed [B] all tests passed; pass_fraction [B]; version: the parameter version sampled with;
-    texts: the decoded completions; stats: counters and timings of the collection.
+    texts: the decoded completions; stats: counters and timings of the collection; behaviour:
+    per-row behaviour statistics {name: [B]} (`rlcode.feedback.behaviour.BEHAVIOUR_STATS`).
     """
 
     task_ids: np.ndarray
@@ -165,6 +166,7 @@ class Rollout:
     version: int
     texts: list[str]
     stats: dict[str, float]
+    behaviour: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
     @property
     def group_size(self) -> int:
@@ -179,7 +181,8 @@ def _select_groups(r: Rollout, groups: Sequence[int]) -> Rollout:
         r, task_ids=r.task_ids[groups], prompts=r.prompts[groups], prompt_lengths=r.prompt_lengths[groups],
         tokens=r.tokens[rows], logprobs=r.logprobs[rows], mask=r.mask[rows], lengths=r.lengths[rows],
         rewards=r.rewards[rows], terms={k: v[rows] for k, v in r.terms.items()}, valid=r.valid[rows],
-        passed=r.passed[rows], pass_fraction=r.pass_fraction[rows], texts=[r.texts[i] for i in rows])
+        passed=r.passed[rows], pass_fraction=r.pass_fraction[rows], texts=[r.texts[i] for i in rows],
+        behaviour={k: v[rows] for k, v in r.behaviour.items()})
 
 
 def concat_rollouts(parts: Sequence[Rollout]) -> Rollout:
@@ -194,7 +197,8 @@ def concat_rollouts(parts: Sequence[Rollout]) -> Rollout:
         logprobs=cat("logprobs"), mask=cat("mask"), lengths=cat("lengths"), rewards=cat("rewards"),
         terms={k: np.concatenate([p.terms[k] for p in parts]) for k in parts[0].terms}, valid=cat("valid"),
         passed=cat("passed"), pass_fraction=cat("pass_fraction"), version=min(p.version for p in parts),
-        texts=[t for p in parts for t in p.texts], stats=stats)
+        texts=[t for p in parts for t in p.texts], stats=stats,
+        behaviour={k: np.concatenate([p.behaviour[k] for p in parts]) for k in parts[0].behaviour})
 
 
 class Grader:
@@ -242,6 +246,17 @@ class Grader:
         return frac, valid, timed_out, counts
 
 
+def parses(task: CompletionTask, completion: str) -> bool:
+    """Whether every program the task would run for `completion` compiles (the source is only
+    compiled, never executed, in this process)."""
+    for group in task.check_groups(completion):
+        try:
+            compile(group.source or "", "<candidate>", "exec", dont_inherit=True)
+        except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError):
+            return False
+    return True
+
+
 class RolloutCollector:
     """Samples and grades rollout batches from a pool of encoded tasks.
 
@@ -257,11 +272,17 @@ class RolloutCollector:
       reward_model: the learned reward (`rlcode.feedback.reward_model.RewardModel`) that scores
         each completion after its task's prompt when ``reward.source="reward_model"``; the
         tests still run (the gold objective: ``pass_fraction``, ``passed``), but pay nothing.
+      allow_questions: a completion that asks a clarifying question
+        (`rlcode.envs.tasks.protocol.is_question`) is not executed; it earns the question reward.
+        Otherwise every completion is graded as an answer.
+
+    Each batch carries its rows' behaviour statistics (`Rollout.behaviour`): answered or asked,
+    malformed (an answer whose program does not parse: compiled here, never run) and length.
     """
 
     def __init__(self, graphdef: Any, tasks: EncodedTasks, tokenizer: Tokenizer, grader: Grader,
                  sampling: SamplingConfig, reward: SynthRewardConfig, shaping: ShapingConfig, group_size: int,
-                 sample_fn: Callable = sample, reward_model: Any = None):
+                 sample_fn: Callable = sample, reward_model: Any = None, allow_questions: bool = False):
         expect_type(sampling, SamplingConfig, "sampling")
         expect_type(reward, SynthRewardConfig, "reward")
         expect_type(shaping, ShapingConfig, "shaping")
@@ -280,6 +301,7 @@ class RolloutCollector:
             raise ValueError(f"reward.source={reward.source!r} " + ("needs a reward model" if reward_model is None
                                                                     else "takes no reward model"))
         self.reward_model = reward_model
+        self.allow_questions = allow_questions
 
     def decode(self, tokens: np.ndarray, lengths: np.ndarray) -> list[str]:
         eos = self.tokenizer.eos_id
@@ -304,7 +326,15 @@ class RolloutCollector:
         tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
         texts = self.decode(tokens, lengths)
         row_tasks = [self.tasks.tasks[i] for i in np.repeat(task_ids, G)]
-        frac, valid, timed_out, counts = self.grader.grade(row_tasks, texts)
+        asked = np.array([self.allow_questions and is_question(t) for t in texts], bool)
+        answers = np.flatnonzero(~asked)
+        frac, valid = np.zeros(len(texts), np.float32), np.ones(len(texts), bool)
+        timed_out = np.zeros(len(texts), bool)
+        counts = {"infra": 0.0, "timeout": 0.0, "executions": 0.0, "crash": 0.0, "early_exit": 0.0,
+                  "forged_report": 0.0}
+        if answers.size:  # questions are not programs: nothing to run
+            frac[answers], valid[answers], timed_out[answers], counts = self.grader.grade(
+                [row_tasks[i] for i in answers], [texts[i] for i in answers])
         t2 = time.perf_counter()
         preference = None
         if self.reward_model is not None:
@@ -316,15 +346,19 @@ class RolloutCollector:
         stopped = np.isin(tokens, np.asarray(self.sampling.stop_ids)).any(-1)
         truncated = ~stopped & (lengths >= M)
         rewards, terms = synth_rewards(frac, valid, truncated, lengths, M, self.reward,
-                                       self.shaping.overlong_cache_length, preference)
+                                       self.shaping.overlong_cache_length, preference, questions=asked)
         stats = dict(counts, sample_s=t1 - t0, execute_s=t2 - t1, generated_tokens=float(mask.sum()),
-                     truncated=float(truncated.sum()))
+                     truncated=float(truncated.sum()), questions=float(asked.sum()))
+        behaviour = {"answer_rate": ~asked, "question_rate": asked,
+                     "malformed_rate": np.array([not q and not parses(task, text)
+                                                 for task, text, q in zip(row_tasks, texts, asked)]),
+                     "length": lengths.astype(np.float32)}
         if preference is not None:
             stats["reward_model_s"] = t3 - t2
         return Rollout(task_ids=task_ids, prompts=prompts, prompt_lengths=prompt_lengths, tokens=tokens,
                        logprobs=np.asarray(out.logprobs, np.float32), mask=mask, lengths=lengths, rewards=rewards,
                        terms=terms, valid=valid, passed=(frac >= 1.0) & valid, pass_fraction=frac,
-                       version=version, texts=texts, stats=stats)
+                       version=version, texts=texts, stats=stats, behaviour=behaviour)
 
     def collect(self, params: Any, rng: np.random.Generator, key: jax.Array, version: int,
                 num_prompts: int, dynamic_sampling: bool = False, max_draws: int = 4) -> Rollout:

@@ -13,6 +13,12 @@ report channel was forged scores 0 whatever `score` says (the grader enforces it
 `SOURCES` names the task sources a config may choose (``task.source``): "synth" (the generated
 program-synthesis tasks) and "humaneval" for the completion job; the repository tasks of the agent
 job ("repo") follow their own protocol (`rlcode.envs.tasks.repo`).
+
+Clarifying questions: where a job allows them (the synthesis job's ``task.allow_questions``), a
+completion whose first non-blank line starts with `QUESTION_MARK` (``# ask:``, after indentation)
+is a question to the user instead of an answer: it is not executed, and its reward is the
+question's (``reward.question_reward``). `is_question` decides; `QUESTION_DEMO` is the question
+the demonstrations ask (``task.question_demos``).
 """
 
 from __future__ import annotations
@@ -22,6 +28,17 @@ from typing import Protocol, runtime_checkable
 from rlcode.envs import verdict
 
 COMPLETION_SOURCES = ("synth", "humaneval")
+QUESTION_MARK = "# ask:"
+QUESTION_DEMO = "    # ask: what about other inputs?\n"
+
+
+def is_question(completion: str) -> bool:
+    """Whether `completion` asks instead of answering: its first non-blank line, without its
+    indentation, starts with `QUESTION_MARK`."""
+    for line in completion.splitlines():
+        if line.strip():
+            return line.lstrip().startswith(QUESTION_MARK)
+    return False
 
 
 @runtime_checkable

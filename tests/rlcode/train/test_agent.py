@@ -260,6 +260,9 @@ def test_agent_job_end_to_end_and_report(tmp_path):
         assert key in result.first_eval and key in result.last_eval
     logged = {k for r in read_jsonl(os.path.join(cfg.workdir, "tb")) for k in r}
     assert [t for t in agent.JOB.summary_metrics(cfg) if t not in logged] == []  # the HParams tab's metrics
+    # The behaviour monitor's statistics (the agent has no question action).
+    assert {"behaviour/answer_rate", "behaviour/malformed_rate", "behaviour/length"} <= logged
+    assert "behaviour/question_rate" not in logged
     rows = [r for r in read_jsonl(os.path.join(cfg.workdir, "tb")) if "rollout/success" in r]
     assert len(rows) == 1
     m = rows[0]

@@ -1,6 +1,7 @@
 """Rollouts: task encoding, sandbox grading (including a worker that dies mid-step), rewards,
 dynamic sampling, masking of infrastructure failures in the train batch, and the SFT warm start."""
 
+import dataclasses
 import json
 import threading
 import time
@@ -13,7 +14,9 @@ import pytest
 from support import tiny_job
 
 from rlcode.envs import verdict, verdict_child
+from rlcode.checks import ConfigError
 from rlcode.envs.tasks import synth
+from rlcode.envs.tasks.protocol import QUESTION_DEMO, is_question
 from rlcode.sampling import SampleOutput, SamplingConfig
 from rlcode.sandbox.spec import ExecResult
 from rlcode.tokenizer import ByteTokenizer
@@ -21,7 +24,7 @@ from rlcode.train import loop, sft
 from rlcode.advantages import AdvantageConfig
 from rlcode.losses import ObjectiveConfig
 from rlcode.recipes import ShapingConfig
-from rlcode.envs.rewards import SynthRewardConfig
+from rlcode.envs.rewards import SYNTH_TERMS, SynthRewardConfig
 from rlcode.envs.rewards import synth_reward_config as reward_config
 from rlcode.train.rollout import Grader, RolloutCollector, encode_tasks, trim_batch
 
@@ -158,13 +161,62 @@ def test_rewards_valid_and_terms(tasks):
     assert r.rewards.tolist() == [1.0, 0.0, 0.0, 1.0]
     assert r.valid.tolist() == [True, True, False, True]
     assert r.passed.tolist() == [True, False, False, True]
-    assert set(r.terms) == {"tests", "preference", "overlong", "truncated"}
+    assert set(r.terms) == set(SYNTH_TERMS)
     assert not r.terms["preference"].any()  # the tests are the reward by default
     np.testing.assert_allclose(sum(r.terms.values()), r.rewards)
     # A row that hits max_new_tokens without the stop token is truncated and penalised.
     c = _collector(tasks, [["PASS" * 20, "x", "x", "x"]], reward=reward_config(truncation_penalty=0.5))
     r = c.sample_and_grade(None, np.array([0, 1]), jax.random.key(0), version=0)
     assert r.terms["truncated"].tolist() == [-0.5, 0, 0, 0] and r.stats["truncated"] == 1
+
+
+def test_questions_are_not_run_and_earn_the_question_reward(tasks):
+    """With questions allowed, a completion whose first line asks is never sent to the sandbox and
+    earns reward.question_reward; a wrong answer pays reward.wrong_penalty; behaviour rows say
+    which rows answered, asked, and whose program does not parse."""
+    texts = ["PASS", "  # ask: which type?\nPASS", "x", "return (", "\n    # ASK: no", "# ask:"]
+    reward = reward_config(wrong_penalty=1.0, question_reward=-0.25)
+
+    def collect(allow):
+        c = _collector(tasks, [texts], reward=reward, G=3)
+        c.allow_questions = allow
+        return c, c.sample_and_grade(None, np.array([0, 1]), jax.random.key(0), version=0)
+
+    c, r = collect(True)
+    asked = [False, True, False, False, False, True]  # the mark is case-sensitive
+    assert r.behaviour["question_rate"].tolist() == asked
+    assert r.behaviour["answer_rate"].tolist() == [not a for a in asked]
+    assert c.grader.pool.calls == 4 and r.stats["executions"] == 4 and r.stats["questions"] == 2
+    assert r.terms["question"].tolist() == [0, -0.25, 0, 0, 0, -0.25]
+    assert r.terms["wrong"].tolist() == [0, 0, -1, -1, -1, 0]
+    # Its tests are not run, so a question passes nothing even where its text would have.
+    assert r.terms["tests"].tolist() == [1, 0, 0, 0, 0, 0] and r.passed.tolist() == [True] + [False] * 5
+    np.testing.assert_allclose(r.rewards, [1, -0.25, -1, -1, -1, -0.25])
+    # "return (" does not compile, nor a body that is only a comment (the upper-case "# ASK" is
+    # not a question); "x" does (and fails the tests).
+    assert r.behaviour["malformed_rate"].tolist() == [False, False, False, True, True, False]
+    assert r.behaviour["length"].tolist() == [len(t) + 1 for t in texts]
+
+    c, r = collect(False)  # not allowed: every completion is an answer, graded
+    assert c.grader.pool.calls == 6 and not r.behaviour["question_rate"].any() and not r.terms["question"].any()
+    assert r.terms["tests"][1] == 1.0  # the commented line then PASS
+
+
+def test_question_demos_replace_a_fraction_of_the_targets(tasks):
+    enc = encode_tasks(tasks, TOK, 160, 80)
+    demos = loop.question_demos(enc, 0.25, TOK, seed=0)
+    question = TOK.encode(QUESTION_DEMO) + [TOK.eos_id]
+    changed = [i for i in range(len(enc)) if not np.array_equal(demos.targets[i], enc.targets[i])]
+    assert len(changed) == round(0.25 * len(enc))
+    for i in changed:
+        assert demos.targets[i, :demos.target_lengths[i]].tolist() == question
+        assert (demos.targets[i, len(question):] == TOK.pad_id).all()
+        assert is_question(TOK.decode(question[:-1]))
+    assert np.array_equal(demos.prompts, enc.prompts)
+    assert changed == [i for i in range(len(enc))
+                       if not np.array_equal(loop.question_demos(enc, 0.25, TOK, seed=0).targets[i], enc.targets[i])]
+    with pytest.raises(ConfigError, match="max_new_tokens"):
+        loop.question_demos(dataclasses.replace(enc, targets=enc.targets[:, :8]), 0.5, TOK, seed=0)
 
 
 def test_dynamic_sampling_keeps_informative_groups_and_refills(tasks):
