@@ -110,6 +110,7 @@ PRODUCERS = {
     "docs/figures/pretrain_code.json": PLOT_PRETRAIN,
     "results/reward_model.json": "python -m experiments.reward_model --publish",
     "results/overoptimization.json": "python -m experiments.overoptimization --publish (after experiments.reward_model)",
+    "results/clarifying_questions.json": "python -m experiments.clarifying_questions --publish",
     "results/agent_repo.json": f"{TRAIN_AGENT}, then summarise the run into it "
                                "(schema: experiments.figures.draw_agent_repo)",
 }
@@ -491,6 +492,23 @@ def overoptimization_notes(data: dict) -> str:
             + "\n".join(lines))
 
 
+def clarifying_questions_notes(data: dict) -> str:
+    d = data["results/clarifying_questions.json"]
+    f = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+    lines = ["| run | asks: start -> end | passes every test: start -> end | held-out pass@1 | held-out asks | "
+             "monitor's first flag |", "|---|---|---|---|---|---|"]
+    for r in d["runs"]:
+        if "question_rate_start" not in r:
+            continue
+        lines.append(f"| {r['label']} | {f(r['question_rate_start'])} -> {f(r['question_rate_final'])} | "
+                     f"{f(r['pass@1_start'])} -> {f(r['pass@1_final'])} | {f(r.get('eval_pass@1_start'))} -> "
+                     f"{f(r.get('eval_pass@1_final'))} | {f(r.get('eval_question_rate_start'))} -> "
+                     f"{f(r.get('eval_question_rate_final'))} | {r['first_question_flag']} |")
+    return (f"Wrong answers cost {d['wrong_penalty']}; {d['question_demos']:.0%} of the SFT demonstrations ask. "
+            f"Moving averages of {d['smooth']} steps over all 64 rows of each batch, one seed per run:\n\n"
+            + "\n".join(lines))
+
+
 def bench_attention_notes(data: dict) -> str:
     d = data["results/bench_attention.json"]
     return (f"Device {d['device']} ({d['backend']}), {d['dtype']}, shape {d['shape']}, NSA {d['nsa']}, "
@@ -636,6 +654,16 @@ FIGURES: dict[str, FigureSpec] = {f.name: f for f in (
         "a step in windows of 5 steps.",
         ("python -m experiments.reward_model --publish", "python -m experiments.overoptimization --publish"),
         notes=overoptimization_notes),
+    FigureSpec(
+        "clarifying_questions", ("results/clarifying_questions.json",),
+        lambda d, out: script("clarifying_questions").plot(d["results/clarifying_questions.json"]["runs"],
+                                                           d["results/clarifying_questions.json"]["smooth"], out),
+        "GRPO from an SFT policy that sometimes asks a clarifying question instead of answering (a completion "
+        "starting with '# ask:', never executed), one seed per run: the fraction of completions that ask and the "
+        "fraction that pass every held-out test, per step, under the naive reward (a question earns 0, a wrong "
+        "answer costs 1) and a rebalanced one (a question costs 1.5), with the behaviour monitor's first flag of "
+        "the question rate.",
+        ("python -m experiments.clarifying_questions --publish",), notes=clarifying_questions_notes),
     FigureSpec(
         "bench_moe", ("results/bench_moe.json",),
         lambda d, out: script("bench_moe").plot(d["results/bench_moe.json"]["rows"], out,

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -251,7 +252,9 @@ def parses(task: CompletionTask, completion: str) -> bool:
     compiled, never executed, in this process)."""
     for group in task.check_groups(completion):
         try:
-            compile(group.source or "", "<candidate>", "exec", dont_inherit=True)
+            with warnings.catch_warnings():  # e.g. SyntaxWarning: the candidate's, not this program's
+                warnings.simplefilter("ignore")
+                compile(group.source or "", "<candidate>", "exec", dont_inherit=True)
         except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError):
             return False
     return True
