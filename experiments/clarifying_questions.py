@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.cli import PUBLISH_HELP, summary
+from experiments.cli import add_synth_grid_options, summary
 from experiments.overoptimization import smooth
 
 NAME = "clarifying_questions"
@@ -52,14 +52,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="reward.question_reward of each run (comma-separated): the naive and the rebalanced reward")
     p.add_argument("--wrong_penalty", type=float, default=1.0, help="reward.wrong_penalty of every run")
     p.add_argument("--question_demos", type=float, default=0.1, help="fraction of SFT demonstrations that ask")
-    p.add_argument("--steps", type=int, default=40, help="GRPO steps per run")
-    p.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1 per run")
-    p.add_argument("--smooth", type=int, default=5, help="steps per moving average in the table and figure")
-    p.add_argument("--set", action="append", default=[], dest="sets", metavar="FIELD=VALUE",
-                   help="override of configs/grpo_synth.py for every run (repeatable)")
-    p.add_argument("--out", default=os.path.join("runs", NAME), help="run directory")
-    p.add_argument("--table_only", action="store_true", help="no runs: the table and figure from the run directories")
-    p.add_argument("--publish", action="store_true", help=PUBLISH_HELP)
+    add_synth_grid_options(p, NAME, steps=40)
     args = p.parse_args(argv)
     try:
         args.question_list = [float(x) for x in args.question_rewards.split(",") if x.strip()]

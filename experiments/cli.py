@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 # Config fields that are Python keywords cannot be addressed by config_flags (it parses the path
 # as Python); the command line accepts them under their keyword name.
@@ -53,3 +54,17 @@ def output_paths(name: str, quick: bool, out: str | None, png: str | None, publi
         return os.path.join("results", f"{name}.json"), os.path.join("docs", "figures", f"{name}.png")
     out = out or os.path.join("runs", name, f"{name}_quick.json" if quick else f"{name}.json")
     return out, png or os.path.splitext(out)[0] + ".png"
+
+
+def add_synth_grid_options(p: Any, name: str, steps: int) -> None:
+    """The options of a script that runs the main job (configs/grpo_synth.py) as experiments.ablate
+    grids: --steps (default `steps`), --seeds, --smooth, --set, --out (runs/<name>), --table_only,
+    --publish."""
+    p.add_argument("--steps", type=int, default=steps, help="GRPO steps per run")
+    p.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1 per run")
+    p.add_argument("--smooth", type=int, default=5, help="steps per moving average in the table and figure")
+    p.add_argument("--set", action="append", default=[], dest="sets", metavar="FIELD=VALUE",
+                   help="override of configs/grpo_synth.py for every run (repeatable)")
+    p.add_argument("--out", default=os.path.join("runs", name), help="run directory")
+    p.add_argument("--table_only", action="store_true", help="no runs: the table and figure from the run directories")
+    p.add_argument("--publish", action="store_true", help=PUBLISH_HELP)

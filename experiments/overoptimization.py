@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.cli import PUBLISH_HELP, summary
+from experiments.cli import add_synth_grid_options, summary
 
 NAME = "overoptimization"
 SYNTH_CONFIG = "configs/grpo_synth.py"
@@ -54,14 +54,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--kl_coefs", default="0,0.2", help="loss.kl_coef of sweep 1 (comma-separated)")
     p.add_argument("--actions", default="raise_kl", help="monitor.action of sweep 2 (comma-separated; empty: none)")
     p.add_argument("--monitor_kl", type=float, default=0.0, help="loss.kl_coef of sweep 2")
-    p.add_argument("--steps", type=int, default=50, help="GRPO steps per run")
-    p.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1 per run")
-    p.add_argument("--smooth", type=int, default=5, help="steps per moving average in the table and figure")
-    p.add_argument("--set", action="append", default=[], dest="sets", metavar="FIELD=VALUE",
-                   help="override of configs/grpo_synth.py for every run (repeatable)")
-    p.add_argument("--out", default=os.path.join("runs", NAME), help="run directory")
-    p.add_argument("--table_only", action="store_true", help="no runs: the table and figure from the run directories")
-    p.add_argument("--publish", action="store_true", help=PUBLISH_HELP)
+    add_synth_grid_options(p, NAME, steps=50)
     args = p.parse_args(argv)
     try:
         args.kl_list = [float(x) for x in args.kl_coefs.split(",") if x.strip()]
