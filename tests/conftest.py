@@ -12,7 +12,9 @@
   many times, and a fresh checkout starts with an empty cache. Set JAX_COMPILATION_CACHE_DIR to
   put it elsewhere.
 * XLA compiles with its cheapest backend settings (`FAST_COMPILE`, added to XLA_FLAGS): the
-  suite's cost is mostly compiling small programs, not running them.
+  suite compiles thousands of small programs and runs each a few times (backend compilation was
+  about a fifth of the tests' time in a full run; tracing and whole-job subprocesses are most of
+  the rest).
 * Two tiers. ``pytest --slow`` is the full suite, what CI runs (README, Tests). ``pytest`` alone
   is the development run: it leaves out the tests marked ``slow`` (whole-job runs beyond one
   end-to-end test per job, scripts' quick modes, multi-process, Ray and multi-device subprocess
