@@ -224,7 +224,7 @@ class Grader:
         runs = [(t.check_groups(body), verdict.new_nonce()) for t, body in zip(tasks, bodies)]
         futures = [self.pool.submit_python(verdict.CHILD_SOURCE, stdin=verdict.request_payload(groups, nonce),
                                            inprocess=True, timeout=self.timeout) for groups, nonce in runs]
-        results = self.pool.gather(futures)
+        results = self.pool.gather(futures) if futures else []  # nothing to run: every counter 0
         frac = np.zeros(len(tasks), np.float32)
         valid = np.ones(len(tasks), bool)
         timed_out = np.zeros(len(tasks), bool)
@@ -333,11 +333,9 @@ class RolloutCollector:
         answers = np.flatnonzero(~asked)
         frac, valid = np.zeros(len(texts), np.float32), np.ones(len(texts), bool)
         timed_out = np.zeros(len(texts), bool)
-        counts = {"infra": 0.0, "timeout": 0.0, "executions": 0.0, "crash": 0.0, "early_exit": 0.0,
-                  "forged_report": 0.0}
-        if answers.size:  # questions are not programs: nothing to run
-            frac[answers], valid[answers], timed_out[answers], counts = self.grader.grade(
-                [row_tasks[i] for i in answers], [texts[i] for i in answers])
+        # Questions are not programs: only the answers run.
+        frac[answers], valid[answers], timed_out[answers], counts = self.grader.grade(
+            [row_tasks[i] for i in answers], [texts[i] for i in answers])
         t2 = time.perf_counter()
         preference = None
         if self.reward_model is not None:

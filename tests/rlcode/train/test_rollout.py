@@ -197,6 +197,13 @@ def test_questions_are_not_run_and_earn_the_question_reward(tasks):
     assert r.behaviour["malformed_rate"].tolist() == [False, False, False, True, True, False]
     assert r.behaviour["length"].tolist() == [len(t) + 1 for t in texts]
 
+    # A batch of questions only runs nothing.
+    c = _collector(tasks, [["# ask: a"] * 6], reward=reward, G=3)
+    c.allow_questions = True
+    r = c.sample_and_grade(None, np.array([0, 1]), jax.random.key(0), version=0)
+    assert c.grader.pool.calls == 0 and r.stats["executions"] == 0 and r.valid.all()
+    np.testing.assert_allclose(r.rewards, -0.25)
+
     c, r = collect(False)  # not allowed: every completion is an answer, graded
     assert c.grader.pool.calls == 6 and not r.behaviour["question_rate"].any() and not r.terms["question"].any()
     assert r.terms["tests"][1] == 1.0  # the commented line then PASS
