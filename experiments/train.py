@@ -3,7 +3,8 @@
     python -m experiments.train --config=configs/grpo_synth.py
 
 Everything is in `rlcode.train.loop.run` (or `rlcode.train.agent.run` for a config with
-``job = "agent"``, e.g. configs/agent_repo.py); this script parses the config and prints where the
+``job = "agent"``, e.g. configs/agent_repo.py, and `rlcode.train.usage.run` for ``job = "usage"``,
+configs/usage_rl.py); this script parses the config and prints where the
 results went. See configs/grpo_synth.py for the options (objective, async sampling, mesh, ...).
 
 A config the job cannot run (an unknown field, a value of the wrong type or out of range, a batch
@@ -38,7 +39,8 @@ _OVERRIDE = re.compile(r"^--?(?:no)?config\.([^=]+)")
 
 
 # The config files a job of this script runs, whose `ARGS` (the choices after ':') --help lists.
-JOB_CONFIGS = ("configs/grpo_synth.py", "configs/agent_repo.py", "configs/grpo_hf.py", "configs/pretrain_code.py")
+JOB_CONFIGS = ("configs/grpo_synth.py", "configs/agent_repo.py", "configs/grpo_hf.py", "configs/pretrain_code.py",
+               "configs/usage_rl.py")
 
 
 def config_help(configs: tuple[str, ...] = JOB_CONFIGS) -> str:
@@ -148,13 +150,15 @@ def flags_parser(argv: list[str], default: str = DEFAULT_CONFIG) -> Any:
 def _job_schema(config: Any) -> dict[str, Any]:
     """The schema the job checks `config` against (field -> rlcode.checks.Spec, nested); {} when it
     cannot be built (the job's own check then names the problem)."""
-    from rlcode.train import agent, loop, pretrain  # noqa: PLC0415
+    from rlcode.train import agent, loop, pretrain, usage  # noqa: PLC0415
     from rlcode.train.schema import job_schema  # noqa: PLC0415
 
     job = config.get("job", "synth")
     try:
         if job == "pretrain":
             return pretrain.pretrain_schema(config)
+        if job == "usage":
+            return job_schema(config, {**loop.SYNTH_SECTIONS, **usage.USAGE_SECTIONS})
         return job_schema(config, agent.AGENT_SECTIONS if job == "agent" else loop.SYNTH_SECTIONS)
     except ConfigError:
         return {}
@@ -210,7 +214,7 @@ def main(config: Any) -> int:
         return 0
     # Checkpoint libraries log every file operation at INFO; the job's own progress is enough.
     logging.set_verbosity(logging.WARNING)
-    from rlcode.train import agent, loop  # noqa: PLC0415 (after flag parsing: a bad flag fails fast)
+    from rlcode.train import agent, loop, usage  # noqa: PLC0415 (after flag parsing: a bad flag fails fast)
     from kernels import _triton  # noqa: PLC0415
 
     _triton.configure()  # a model with impl "triton": compiled on a CUDA GPU, interpreted elsewhere
@@ -219,7 +223,7 @@ def main(config: Any) -> int:
         from experiments import pretrain  # noqa: PLC0415
 
         return pretrain.main(config)
-    job = agent if config.get("job", "synth") == "agent" else loop
+    job = {"agent": agent, "usage": usage}.get(config.get("job", "synth"), loop)
     try:
         result = job.run(config)
     except ConfigError as e:

@@ -10,4 +10,9 @@
 * `monitor`: over-optimisation of a learned reward, caught online from a gold-labelled audit sample.
 * `behaviour`: shifts of a policy's behaviour (answering, asking clarifying questions, malformed
   calls, length) against the start of its run, in both RL jobs.
+* `usage_log`: the append-only log of served interactions and their outcome events (robust to
+  torn, duplicated and out-of-order records), read by the real-time job (`rlcode.train.usage`).
+* `registry`: which published checkpoint is live. `deployment`: a simulated deployment that serves
+  it to users with hidden preferences and writes the usage log. `ab`: A/B comparisons of releases
+  with Wilson / Newcombe intervals.
 """

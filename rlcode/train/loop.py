@@ -92,14 +92,16 @@ SYNTH_SECTIONS = {
 
 
 def validate_config(cfg: Any, num_devices: int | None = None,
-                    budget: Sequence[tuple[str, int]] | None = None) -> None:
+                    budget: Sequence[tuple[str, int]] | None = None, extra_sections: dict | None = None) -> None:
     """Raise ConfigError naming the field for a config the job cannot run; called at start, before
     any task, warm start or compilation. Checks every field (`SYNTH_SECTIONS` and
     `schema.common_schema`), the constraints between fields, the mesh against `num_devices` (when
     given) and the memory estimate (`rlcode.train.memory`) against `budget` ([(what, bytes)];
-    default: the host's memory and the devices' where jax reports it)."""
+    default: the host's memory and the devices' where jax reports it). `extra_sections`: the
+    schema of a job built on this one (`rlcode.train.usage`): its own sections, checked too."""
     # The monitor sections are optional (configs written before them have none).
-    check_schema(cfg, {k: v for k, v in SYNTH_SECTIONS.items() if k not in OPTIONAL_SECTIONS or k in cfg})
+    sections = {k: v for k, v in SYNTH_SECTIONS.items() if k not in OPTIONAL_SECTIONS or k in cfg}
+    check_schema(cfg, {**sections, **(extra_sections or {})})
     check_common(cfg, num_devices)
     P, G = cfg.rollout.prompts_per_step, cfg.rollout.group_size
     if cfg.advantage.estimator == "group" and cfg.advantage.normalize in ("std", "rloo") and G < 2:

@@ -250,13 +250,17 @@ class Grader:
 def parses(task: CompletionTask, completion: str) -> bool:
     """Whether every program the task would run for `completion` compiles (the source is only
     compiled, never executed, in this process)."""
-    for group in task.check_groups(completion):
-        try:
-            with warnings.catch_warnings():  # e.g. SyntaxWarning: the candidate's, not this program's
-                warnings.simplefilter("ignore")
-                compile(group.source or "", "<candidate>", "exec", dont_inherit=True)
-        except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError):
-            return False
+    return all(compiles(group.source or "") for group in task.check_groups(completion))
+
+
+def compiles(source: str) -> bool:
+    """Whether `source` compiles as a module (compiled only, never executed)."""
+    try:
+        with warnings.catch_warnings():  # e.g. SyntaxWarning: the candidate's, not this program's
+            warnings.simplefilter("ignore")
+            compile(source, "<candidate>", "exec", dont_inherit=True)
+    except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError):
+        return False
     return True
 
 
