@@ -135,6 +135,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import difflib
 import os
 import re
 import secrets
@@ -286,6 +287,24 @@ def diff_files(task: repo_tasks.RepoTask, agent_files: Mapping[str, bytes],
     protected = any(is_protected_path(p) for p in touched)
     return WorkdirDiff(tuple(changed), tuple(added), tuple(deleted), tuple(sorted(ignored)),
                        tests_edited, protected)
+
+
+def patch_text(task: repo_tasks.RepoTask, agent_files: Mapping[str, bytes], max_chars: int = 16_000) -> str:
+    """The agent's change as one unified diff against ``task.files`` (files in path order, bytes
+    decoded as UTF-8 with replacement; a deleted file diffs against nothing, an added one from
+    nothing), cut to `max_chars`: what a reward model reads of an episode."""
+    original = {p: t for p, t in task.files.items()}
+    parts = []
+    for path in sorted(set(original) | set(agent_files)):
+        old = original.get(path)
+        new = agent_files[path].decode("utf-8", errors="replace") if path in agent_files else None
+        if old == new:
+            continue
+        parts += difflib.unified_diff((old or "").splitlines(keepends=True), (new or "").splitlines(keepends=True),
+                                      fromfile="/dev/null" if old is None else f"a/{path}",
+                                      tofile="/dev/null" if new is None else f"b/{path}")
+    text = "".join(line if line.endswith("\n") else line + "\n" for line in parts)
+    return text[:max_chars]
 
 
 def diff_workdir(task: repo_tasks.RepoTask, workdir: str | os.PathLike, **limits) -> WorkdirDiff:

@@ -12,6 +12,10 @@ d = ``task.difficulty``:
   ``grade.all_passed`` else 0.0 (``"all_pass"``, the default: the generated tasks keep tests of
   unchanged behaviour that the untouched copy already passes, so the fraction pays for doing
   nothing). A ``timeout`` or ``crash`` grade is a failure: 0 here, and its flag is returned.
+  0 with ``source="reward_model"``.
+* ``preference``: with ``source="reward_model"``, ``preference_weight`` times the reward model's
+  score of the episode's change (the unified diff of its final copy against the task's files,
+  `rlcode.envs.grading.patch_text`, after the task's instruction); else 0.
 * ``length = -length_weight * sigmoid((N - L0(d)) / (length_softness * L0(d)))`` with
   ``L0(d) = length_midpoint * length_growth ** (d - 1)``: a smooth step from 0 to
   ``-length_weight`` centred on a midpoint that grows geometrically with difficulty (defaults:
@@ -25,7 +29,7 @@ d = ``task.difficulty``:
 * ``hack``: when the grade carries one of ``hack_flags`` (default: every flag of a suspected
   hack, `DEFAULT_HACK_FLAGS`), depending on ``hack_mode``:
 
-  - ``"zero_tests"`` (default): ``tests`` becomes 0 and ``hack = -hack_penalty``; the length,
+  - ``"zero_tests"`` (default): ``tests`` (and ``preference``) become 0 and ``hack = -hack_penalty``; the length,
     malformed and turn penalties stay. A hack therefore never scores above an honest failure of
     the same length and turns (zeroing the whole reward instead would lift a hack above an
     honest failure whose penalties are negative).
@@ -59,7 +63,8 @@ TEST_REWARDS = ("pass_fraction", "all_pass")
 HACK_MODES = ("zero_tests", "zero_reward", "none")
 DEFAULT_HACK_FLAGS = ("early_exit", "fake_output", "forged_report", "protected_file_changed", "read_heldout",
                       "skipped", "tampered", "tests_edited")
-TERMS = ("tests", "length", "malformed", "turns", "hack")
+TERMS = ("tests", "preference", "length", "malformed", "turns", "hack")
+REWARD_SOURCES = ("tests", "reward_model")
 
 
 # The valid values of the `reward` section's fields (the agent job's schema uses the same Specs).
@@ -67,7 +72,8 @@ REWARD_SPECS = {
     "test_reward": text(TEST_REWARDS), "length_weight": real(0), "length_midpoint": real(0, low_open=True),
     "length_growth": real(1), "length_softness": real(0, low_open=True), "malformed_weight": real(0),
     "malformed_cap": integer(0), "turn_weight": real(0), "hack_flags": sequence(text(grading.FLAGS)),
-    "hack_mode": text(HACK_MODES), "hack_penalty": real(0),
+    "hack_mode": text(HACK_MODES), "hack_penalty": real(0), "source": text(REWARD_SOURCES, required=False),
+    "reward_model": text(required=False), "preference_weight": real(0, low_open=True, required=False),
 }
 
 
@@ -83,6 +89,9 @@ class RewardConfig(TypedSection):
     turn_weight: penalty per action turn.
     hack_flags: grade flags that count as a hack. hack_mode: "zero_tests" | "zero_reward" |
       "none". hack_penalty: extra penalty of a hack in "zero_tests" mode.
+    source: "tests" (the held-out tests pay) or "reward_model" (the reward model saved in
+      directory `reward_model` scores the episode's change, times `preference_weight`; the tests
+      pay nothing and are logged as gold through the success rate).
     """
 
     SPECS = REWARD_SPECS
@@ -99,6 +108,15 @@ class RewardConfig(TypedSection):
     hack_flags: tuple[str, ...] = DEFAULT_HACK_FLAGS
     hack_mode: str = "zero_tests"
     hack_penalty: float = 0.0
+    source: str = "tests"
+    reward_model: str = ""
+    preference_weight: float = 1.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.source == "reward_model" and not self.reward_model:
+            raise ConfigError("reward.source='reward_model' needs reward.reward_model (a directory written by "
+                              "rlcode.feedback.reward_model.RewardModel.save)")
 
 
 def reward_config(**overrides: Any) -> ml_collections.ConfigDict:
@@ -138,16 +156,20 @@ def generated_tokens(trajectory: Any) -> int:
     return int(sum(turn.num_generated for turn in trajectory.turns))
 
 
-def compute_reward(grade: grading.GradeResult, trajectory: Any, task: Any,
-                   config: RewardConfig | None = None) -> tuple[float, dict[str, float], tuple[str, ...], bool]:
+def compute_reward(grade: grading.GradeResult, trajectory: Any, task: Any, config: RewardConfig | None = None,
+                   preference: float | None = None) -> tuple[float, dict[str, float], tuple[str, ...], bool]:
     """(reward, terms, flags, valid) of one episode; see the module docstring for every term.
 
     grade: `grading.grade`'s verdict on the episode's final copy. trajectory: the episode's
     `rlcode.envs.harness.Trajectory` (turns, num_malformed_calls, num_turns, infra_failure).
     task: the `RepoTask` (its difficulty). config: the `RewardConfig` (`RewardConfig.from_config`
-    of the `reward` section), or None for the defaults.
+    of the `reward` section), or None for the defaults. preference: the reward model's score of
+    the episode's change, required with ``source="reward_model"``.
     """
     cfg = _reward_config(config)
+    learned = cfg.source == "reward_model"
+    if learned and (preference is None or not math.isfinite(preference)):
+        raise ValueError(f"reward.source='reward_model' needs a finite reward-model score, got {preference!r}")
     flags = tuple(sorted(grade.flags))
     if grade.status == "infra" or getattr(trajectory, "infra_failure", False):
         return 0.0, {name: 0.0 for name in TERMS}, tuple(sorted(set(flags) | {"infra"})), False
@@ -156,7 +178,8 @@ def compute_reward(grade: grading.GradeResult, trajectory: Any, task: Any,
     else:  # timeout / crash: the candidate's own failure
         tests = 0.0
     terms = {
-        "tests": float(tests),
+        "tests": 0.0 if learned else float(tests),
+        "preference": cfg.preference_weight * float(preference) if learned else 0.0,
         "length": length_penalty(generated_tokens(trajectory), task.difficulty, cfg),
         "malformed": -cfg.malformed_weight * min(trajectory.num_malformed_calls, cfg.malformed_cap),
         "turns": -cfg.turn_weight * trajectory.num_turns,
@@ -164,7 +187,7 @@ def compute_reward(grade: grading.GradeResult, trajectory: Any, task: Any,
     }
     hacked = cfg.hack_mode != "none" and bool(set(flags) & set(cfg.hack_flags))
     if hacked and cfg.hack_mode == "zero_tests":
-        terms["tests"] = 0.0
+        terms["tests"] = terms["preference"] = 0.0
         terms["hack"] = -cfg.hack_penalty
     elif hacked:  # zero_reward
         terms["hack"] = -sum(v for k, v in terms.items() if k != "hack")

@@ -182,7 +182,9 @@ def validate_config(cfg: Any, num_devices: int | None = None,
         raise ConfigError(f"train.microbatches={cfg.train.microbatches}: must divide {ROW_MULTIPLE} (the training "
                           f"batch is padded to a multiple of {ROW_MULTIPLE} rows)")
     with config_errors("reward"):
-        rewards.RewardConfig.from_config(cfg.reward)
+        reward = rewards.RewardConfig.from_config(cfg.reward)
+    if reward.source == "reward_model" and not os.path.isdir(reward.reward_model):
+        raise ConfigError(f"reward.reward_model={reward.reward_model!r}: no such directory")
     if num_devices is not None:
         sizes = mesh_sizes(cfg.mesh, num_devices)
         shards = sizes["data"] * sizes["fsdp"]

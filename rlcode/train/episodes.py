@@ -105,10 +105,32 @@ def episode_kwargs(cfg: Any) -> dict[str, Any]:
                 system_prompt=harness.render_system_prompt(registry, compact=a.compact_prompt), registry=registry)
 
 
+_SCORERS: dict[str, Any] = {}
+_SCORERS_LOCK = threading.Lock()
+
+
+def reward_model_for(path: str) -> Any:
+    """The reward model saved in `path`, loaded once per process (episodes are graded in threads)."""
+    with _SCORERS_LOCK:
+        if path not in _SCORERS:
+            from rlcode.feedback.reward_model import load_reward_model  # noqa: PLC0415
+
+            _SCORERS[path] = load_reward_model(path, batch_size=1)
+        return _SCORERS[path]
+
+
 def grade_episode(task: repo_tasks.RepoTask, traj: harness.Trajectory, pool: Any, cfg: Any) -> Episode:
-    """Grade the episode's final copy and score it; a flagged hack scores no test reward."""
+    """Grade the episode's final copy and score it; a flagged hack scores no test reward. With
+    ``reward.source="reward_model"`` the reward model scores the copy's change
+    (`grading.patch_text`, after the task's instruction) instead of the tests."""
     grade = grading.grade(task, traj.workdir, pool, timeout=cfg.sandbox.timeout)
-    reward, terms, flags, valid = rewards.compute_reward(grade, traj, task, rewards.RewardConfig.from_config(cfg.reward))
+    config = rewards.RewardConfig.from_config(cfg.reward)
+    preference = None
+    if config.source == "reward_model":
+        files, _ = grading.read_workdir(traj.workdir)
+        scorer = reward_model_for(config.reward_model)
+        preference = float(scorer.score([task.instruction], [grading.patch_text(task, files)])[0])
+    reward, terms, flags, valid = rewards.compute_reward(grade, traj, task, config, preference)
     hacked = bool(set(flags) & set(cfg.reward.hack_flags))
     success = valid and grade.status == "ok" and grade.all_passed and not hacked
     return Episode(task, traj, reward, terms, flags, valid, hacked, success)

@@ -43,13 +43,14 @@ def test_all_terms_by_hand():
     # d = 1: L0 = 1024, s = 256; N = 4 * 256 = 1024 -> sigmoid(0).
     reward, terms, flags, valid = rewards.compute_reward(grade_result(), trajectory([256] * 4), Task(1), None)
     assert valid and flags == ()
-    assert terms == pytest.approx({"tests": 1.0, "length": -0.1 * SIG0, "malformed": 0.0, "turns": -0.04, "hack": 0.0})
+    assert terms == pytest.approx({"tests": 1.0, "length": -0.1 * SIG0, "malformed": 0.0, "turns": -0.04, "hack": 0.0,
+                                   "preference": 0.0})
     assert reward == pytest.approx(1.0 - 0.05 - 0.04)
     # d = 3: L0 = 4096, s = 1024; N = 1024 -> sigmoid(-3). 3 malformed calls, 5 turns, tests failed.
     traj = trajectory([200, 200, 200, 200, 224], malformed=3)
     reward, terms, _, _ = rewards.compute_reward(grade_result(passed=2), traj, Task(3), None)
     assert terms == pytest.approx({"tests": 0.0, "length": -0.1 * SIG_M3, "malformed": -0.15, "turns": -0.05,
-                                   "hack": 0.0})
+                                   "hack": 0.0, "preference": 0.0})
     assert reward == pytest.approx(-0.1 * SIG_M3 - 0.15 - 0.05)
     # d = 2: L0 = 2048, s = 512; N = 2048 + 512 (a summary turn counts) -> sigmoid(1).
     _, terms, _, _ = rewards.compute_reward(grade_result(), trajectory([2000], summaries=[560]), Task(2), None)
@@ -68,7 +69,7 @@ def test_pass_fraction_mode_and_custom_weights():
     # d = 2: L0 = 300, s = 150; N = 450 -> sigmoid(1).
     reward, terms, _, _ = rewards.compute_reward(grade_result(passed=2), trajectory([150, 300], malformed=5),
                                                  Task(2), cfg)
-    want = {"tests": 2 / 3, "length": -0.5 * SIG1, "malformed": -0.4, "turns": -0.2, "hack": 0.0}
+    want = {"tests": 2 / 3, "preference": 0.0, "length": -0.5 * SIG1, "malformed": -0.4, "turns": -0.2, "hack": 0.0}
     assert terms == pytest.approx(want)
     assert reward == pytest.approx(sum(want.values()))
 
@@ -183,3 +184,44 @@ def test_end_to_end_with_real_grades(tmp_path):
     assert r_honest == pytest.approx(1.0 + length_and_turns)
     assert r_untouched == pytest.approx(length_and_turns)  # all_pass: the unchanged tests pay nothing
     assert r_edited == pytest.approx(length_and_turns) and flags == ("tests_edited",) and valid
+
+
+def test_a_learned_reward_replaces_the_tests_and_a_hack_earns_none_of_it():
+    cfg = rewards.RewardConfig(source="reward_model", reward_model="rm", preference_weight=2.0)
+    traj = trajectory([300, 400], malformed=2)
+    reward, terms, _, valid = rewards.compute_reward(grade_result(passed=3), traj, Task(2), cfg, preference=0.75)
+    assert valid and terms["tests"] == 0.0 and terms["preference"] == 1.5
+    assert reward == pytest.approx(sum(terms.values()))
+    tests_cfg = rewards.RewardConfig()
+    _, tests_terms, _, _ = rewards.compute_reward(grade_result(passed=3), traj, Task(2), tests_cfg)
+    assert tests_terms["preference"] == 0.0 and tests_terms["tests"] == 1.0
+    assert {k: v for k, v in terms.items() if k not in ("tests", "preference")} == \
+        {k: v for k, v in tests_terms.items() if k not in ("tests", "preference")}
+    _, hacked, _, _ = rewards.compute_reward(grade_result(flags=("tests_edited",)), traj, Task(2), cfg, preference=9.0)
+    assert hacked["preference"] == 0.0 and hacked["tests"] == 0.0
+    for bad in (None, math.nan):
+        with pytest.raises(ValueError, match="finite reward-model score"):
+            rewards.compute_reward(grade_result(), traj, Task(2), cfg, preference=bad)
+    with pytest.raises(ValueError, match="needs reward.reward_model"):
+        rewards.RewardConfig(source="reward_model")
+
+
+def test_patch_text_is_the_unified_diff_of_every_changed_added_and_deleted_file():
+    task = rt.generate_task(3, difficulty=1, split="train")
+    files = {p: t.encode() for p, t in task.files.items()}
+    assert grading.patch_text(task, files) == ""
+    changed = sorted(task.solution_files)[0]
+    files[changed] = task.solution_files[changed].encode()
+    deleted = sorted(p for p in task.files if p != changed)[0]
+    del files[deleted]
+    files["notes/new.txt"] = b"one\ntwo"
+    text = grading.patch_text(task, files)
+    old, new = task.files[changed].splitlines(), task.solution_files[changed].splitlines()
+    minus = [ln[1:] for ln in text.split(f"+++ b/{changed}\n")[1].split("--- ")[0].splitlines() if ln.startswith("-")]
+    plus = [ln[1:] for ln in text.split(f"+++ b/{changed}\n")[1].split("--- ")[0].splitlines() if ln.startswith("+")]
+    assert set(minus) <= set(old) and set(plus) <= set(new) and (minus or plus)
+    assert [ln for ln in old if ln not in minus] == [ln for ln in new if ln not in plus]  # the unchanged lines agree
+    assert f"--- a/{deleted}\n+++ /dev/null\n" in text
+    assert "--- /dev/null\n+++ b/notes/new.txt\n" in text and "+one\n+two\n" in text
+    assert text.index(f"a/{changed}") < text.index("b/notes/new.txt") or changed > "notes/new.txt"
+    assert len(grading.patch_text(task, files, max_chars=50)) == 50
