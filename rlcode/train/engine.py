@@ -123,7 +123,9 @@ class Plan:
     control(step, scalars) -> None, or an action after the step is logged: {"stop": reason}
       ends the run (as a time budget does: evaluated and saved, not completed), {"kl_coef": x}
       sets the objective's KL coefficient from the next step on (the train step is rebuilt;
-      the reference parameters must exist, see `Job.reference`).
+      the reference parameters must exist, see `Job.reference`), {"params": p} replaces the
+      policy's parameters by `p` (same structure; placed like the current ones; the optimizer's
+      moments and the step count are kept), e.g. a rollback to the last released version.
     """
 
     collect: Callable[[Any, int, int], Any]
@@ -617,6 +619,12 @@ def train(cfg: Any, job: Job, *, pool: Any = None, log: Callable[[str], None] | 
                                            "parameters (Job.reference)")
                     objective = ctx.objective = dataclasses.replace(objective, kl_coef=float(action["kl_coef"]))
                     train_step = build_train_step(objective)
+                if action and "params" in action:
+                    placed = jax.tree.map(lambda new, old: jax.device_put(jnp.asarray(new, old.dtype), old.sharding),
+                                          action["params"], state.params)
+                    state = state._replace(params=placed)
+                    if sampler is not None:
+                        store.publish(state.params, step)
                 if action and "stop" in action:
                     stopped = str(action["stop"])
                     say(f"stopped by {stopped} after step {step}")

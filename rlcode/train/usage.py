@@ -15,18 +15,26 @@ from a usage log (`rlcode.feedback.usage_log`) instead of its own sampler:
    rows).
 2. **Reward** each row from its outcome events (`usage_log.outcome_reward` with the `usage`
    section's weights: accepted, kept, reverted, followup, latency per second).
-3. **Correct for the logging policy.** A row served by version v at step s is ``s - v`` steps
-   stale; a row staler than `usage.max_staleness` is rejected (counted in
-   ``usage/stale_rejected``). The rest carry the served policy's log-probs as the behaviour
-   log-probs, and the loss's importance-sampling correction (``loss.is_mode``, TIS by default)
-   reweights them to the current policy. Each row is its own group (G = 1): advantages are
-   normalised over the batch (``advantage.normalize="batch"``).
+3. **Correct for the logging policy.** A row served by version v (versions are the steps they
+   were published at) is as stale as the optimizer updates between v's parameters and the
+   trainer's: ``s - v`` at step s, minus updates a rollback discarded. A row staler than
+   `usage.max_staleness` is rejected (counted in ``usage/stale_rejected``). The rest carry the
+   served policy's log-probs as the behaviour log-probs, and the loss's importance-sampling
+   correction (``loss.is_mode``, TIS by default) reweights them to the current policy. Each row
+   is its own group (G = 1): advantages are normalised over the batch
+   (``advantage.normalize="batch"``).
 4. **Update** (the configured objective), then every ``eval.every`` steps **evaluate** on the
    fixed suite (the fresh pool, ``task.num_fresh`` tasks of the users' distribution never trained
    on, or the held-out eval pool without one; the same sampling key every time) and pass the
-   **regression gate**: the candidate is published to the registry (`rlcode.feedback.registry`, the deployment
-   serves it from its next window) only if its ``eval/pass@1`` is at least the live version's
-   minus `usage.gate_margin`. The evaluation at step 0 publishes the warm start as version 0.
+   **regression gate**: the candidate is published to the registry (`rlcode.feedback.registry`,
+   the deployment serves it from its next window) only if its ``eval/pass@1`` is at least the
+   live version's minus `usage.gate_margin`. The evaluation at step 0 publishes the warm start as
+   version 0. A rejected candidate is rolled back (``usage.on_reject="rollback"``, the default):
+   training continues from the live version's parameters, so the served policy and the trained
+   one never drift further apart than the staleness bound allows. With "continue" the trainer
+   keeps the rejected parameters; if the gate then keeps rejecting, every new row is too stale
+   and the job stops with an error naming the cause after `usage.max_idle_windows` windows
+   without a usable row.
 
 Logged: ``usage/*`` (rows, rewards and outcome rates of the batch, staleness, the log's torn /
 duplicate / late / orphan counters, the deployment's clock and backlog), ``gate/*`` at each
@@ -60,18 +68,25 @@ from rlcode.train import loop
 from rlcode.train.engine import Context, Job, Plan, RunResult, train
 from rlcode.train.rollout import Grader, Rollout, RolloutCollector, compiles
 
-__all__ = ["UsageConfig", "usage_config", "UsageSource", "build_rollout", "regression_gate", "JOB", "run"]
+__all__ = ["UsageConfig", "usage_config", "UsageSource", "build_rollout", "regression_gate", "updates_behind",
+           "JOB", "run"]
+
+
+REJECT_ACTIONS = ("rollback", "continue")
 
 
 @dataclasses.dataclass(frozen=True)
 class UsageConfig(TypedSection):
     """The `usage` section (module docstring). log / registry: paths ('' = ``<workdir>/usage.jsonl``
-    and ``<workdir>/registry``)."""
+    and ``<workdir>/registry``). max_idle_windows: simulated windows in a row that bring no row
+    fresh enough before the job gives up with an error naming the cause. on_reject: what the
+    trainer does when the gate keeps a candidate out: "rollback" (continue from the live version's
+    parameters) or "continue" (keep training the rejected parameters)."""
 
     SPECS = {"log": text(), "registry": text(), "simulate": flag(), "min_rows": integer(1), "settle_s": real(0),
              "max_staleness": integer(0), "poll_s": real(0, low_open=True), "wait_minutes": real(0, low_open=True),
-             "gate_margin": real(0), "accepted": real(), "kept": real(), "reverted": real(), "followup": real(),
-             "latency": real()}
+             "max_idle_windows": integer(1), "gate_margin": real(0), "on_reject": text(REJECT_ACTIONS),
+             "accepted": real(), "kept": real(), "reverted": real(), "followup": real(), "latency": real()}
     SECTION = "usage"
 
     log: str = ""
@@ -82,7 +97,9 @@ class UsageConfig(TypedSection):
     max_staleness: int = 12
     poll_s: float = 5.0
     wait_minutes: float = 30.0
+    max_idle_windows: int = 50
     gate_margin: float = 0.0
+    on_reject: str = "rollback"
     accepted: float = 1.0
     kept: float = 1.0
     reverted: float = -1.0
@@ -158,24 +175,41 @@ class UsageSource:
     def _read(self) -> None:
         self.windows.add(self.reader.poll())
 
-    def next_rows(self, step: int, rows: int) -> list[tuple[Interaction, list[Outcome]]]:
-        """Up to `rows` settled interactions served at most `max_staleness` steps before `step`,
-        at least `min_rows` (TimeoutError after `wait_minutes` without them, when following)."""
+    def next_rows(self, step: int, rows: int,
+                  age: Callable[[int], int] | None = None) -> list[tuple[Interaction, list[Outcome]]]:
+        """Up to `rows` settled interactions at most `max_staleness` updates behind the trainer, at
+        least `min_rows` (TimeoutError after `wait_minutes` without them, when following;
+        RuntimeError after `max_idle_windows` simulated windows without a fresh one). `age(v)`:
+        the optimizer updates between served version v and the trainer's parameters (default
+        ``step - v``; a job that rolls back subtracts the discarded updates)."""
         c = self.cfg
+        age = age or (lambda v: step - v)
         if self.advance is not None:
             self.advance()  # traffic keeps arriving while the trainer works
         self._read()
         out: list[tuple[Interaction, list[Outcome]]] = []
         deadline = self.clock() + 60 * c.wait_minutes
+        idle, newest = 0, None
         while True:
+            fresh = 0
             for it, outs in self.windows.take(rows - len(out)):
-                if step - it.version > c.max_staleness:
+                newest = it.version if newest is None else max(newest, it.version)
+                if age(it.version) > c.max_staleness:
                     self.stale += 1
                 else:
                     out.append((it, outs))
+                    fresh += 1
             if len(out) >= c.min_rows:
                 return out
+            idle = 0 if fresh else idle + 1
             if self.advance is not None:
+                if idle >= c.max_idle_windows:
+                    raise RuntimeError(
+                        f"usage log {self.reader.path}: {idle} windows in a row brought no interaction within "
+                        f"usage.max_staleness={c.max_staleness} updates of the trainer (newest served version: "
+                        f"{newest}, {None if newest is None else age(newest)} updates behind); the served version "
+                        "is not catching up (a gate that rejects every candidate?): raise usage.max_staleness or "
+                        "use usage.on_reject='rollback'")
                 self.advance()
             else:
                 if self.clock() > deadline:
@@ -194,11 +228,14 @@ class UsageSource:
 
 
 def build_rollout(rows: Sequence[tuple[Interaction, Sequence[Outcome]]], size: int, max_prompt_len: int,
-                  max_new_tokens: int, pad_id: int, weights: dict[str, float], step: int) -> Rollout:
+                  max_new_tokens: int, pad_id: int, weights: dict[str, float], step: int,
+                  age: Callable[[int], int] | None = None) -> Rollout:
     """A rollout batch of `size` rows (G = 1) from logged interactions; rows beyond the logged
     ones, and logged rows whose prompt or completion does not fit the job's lengths, are invalid.
     ``terms`` holds each outcome kind (0/1, the latency in seconds); passed / pass_fraction are 0:
-    the tests' verdict is not in a usage log."""
+    the tests' verdict is not in a usage log. `age` as for `UsageSource.next_rows` (the
+    staleness statistics)."""
+    age = age or (lambda v: step - v)
     if not rows:
         raise ValueError("build_rollout needs at least one row")
     prompts = np.full((size, max_prompt_len), pad_id, np.int32)
@@ -226,8 +263,9 @@ def build_rollout(rows: Sequence[tuple[Interaction, Sequence[Outcome]]], size: i
         lengths[0] = 1
     mask = np.arange(max_new_tokens)[None, :] < lengths[:, None]
     n = len(rows[:size])
+    ages = np.array([age(int(v)) for v in versions[:n]], np.float64)
     stats = {"rows": float(valid.sum()), "rejected_lengths": float(n - valid.sum()),
-             "staleness_mean": float(np.mean(step - versions[:n])), "staleness_max": float(np.max(step - versions[:n]))}
+             "staleness_mean": float(ages.mean()), "staleness_max": float(ages.max())}
     return Rollout(task_ids=np.zeros(size, np.int64), prompts=prompts, prompt_lengths=plen, tokens=tokens,
                    logprobs=logprobs, mask=mask, lengths=lengths, rewards=rewards, terms=terms, valid=valid,
                    passed=np.zeros(size, bool), pass_fraction=np.zeros(size, np.float32),
@@ -236,6 +274,20 @@ def build_rollout(rows: Sequence[tuple[Interaction, Sequence[Outcome]]], size: i
 
 
 # ------------------------------------------------------------------------------ the gate
+
+
+def updates_behind(version: int, step: int, rollbacks: Sequence[tuple[int, int]]) -> int:
+    """The optimizer updates between the parameters of version `version` and the trainer's at
+    `step`: ``step - version``, less the updates the rollbacks threw away. A rollback ``(v, s)``
+    (at step s, back to version v) discards the updates of steps v+1..s still in the trainer's
+    line; together the rollbacks discard the union of those ranges."""
+    merged: list[list[int]] = []
+    for v, s in sorted(rollbacks):
+        if merged and v <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], s)
+        else:
+            merged.append([v, s])
+    return (step - version) - sum(max(0, min(s, step) - max(v, version)) for v, s in merged)
 
 
 def regression_gate(root: str, step: int, params: Any, score: float, margin: float) -> dict[str, float]:
@@ -276,7 +328,11 @@ def plan(ctx: Context, tasks: tuple) -> Plan:
     P, M, Lp = cfg.rollout.prompts_per_step, cfg.sampling.max_new_tokens, cfg.task.max_prompt_len
     behaviour = BehaviourWatch(cfg.get("behaviour"), ctx.say)
     make_batch = loop.make_prepare_fn(objective, advantage, options, ctx.graphdef, 1, tok.pad_id)
-    state: dict[str, Any] = {"deployment": None, "source": None, "rows": None}
+    state: dict[str, Any] = {"deployment": None, "source": None, "rows": None, "template": None, "rollback": None}
+    discarded: list[tuple[int, int]] = []  # (version, step): a rollback at `step` to `version`
+
+    def age_at(step: int) -> Callable[[int], int]:
+        return lambda v: updates_behind(v, step, discarded)
     if u.simulate and os.path.exists(log_path) and os.path.getsize(log_path):
         raise ConfigError(f"usage.simulate=True: the log {log_path} already has records; a simulated deployment "
                           "starts a new log (use a new workdir or usage.log)")
@@ -296,9 +352,10 @@ def plan(ctx: Context, tasks: tuple) -> Plan:
         return state["source"]
 
     def collect(params, version, count):
-        rows = source(params).next_rows(version, P)
+        state["template"] = params
+        rows = source(params).next_rows(version, P, age_at(version))
         state["rows"] = rows
-        return build_rollout(rows, P, Lp, M, tok.pad_id, u.weights, version)
+        return build_rollout(rows, P, Lp, M, tok.pad_id, u.weights, version, age_at(version))
 
     def prepare(params, ref_params, r: Rollout) -> dict:
         batch = make_batch(params, ref_params, r, kl_coef=ctx.objective.kl_coef)
@@ -333,10 +390,14 @@ def plan(ctx: Context, tasks: tuple) -> Plan:
         m, texts = loop.evaluate(evaluator, params, cfg, eval_key, prefix="eval")
         m["eval/seconds"] = time.perf_counter() - t0
         m.update(regression_gate(root, step, params, m["eval/pass@1"], u.gate_margin))
+        rollback = step > 0 and not m["gate/published"] and u.on_reject == "rollback"
+        m["gate/rollback"] = float(rollback)
+        state["rollback"] = int(m["gate/live_version"]) if rollback else None
         ctx.writer.scalars(step, m)
         ctx.writer.text(step, "eval/samples", "\n\n".join(texts))
         ctx.say(f"eval @ step {step}: pass@1={m['eval/pass@1']:.3f}  gate: "
-                + ("published" if m["gate/published"] else "kept the live version")
+                + ("published" if m["gate/published"] else "kept the live version"
+                   + (", rolled the trainer back to it" if rollback else ""))
                 + f" (live v{int(m['gate/live_version'])}, score {m['gate/live_score']:.3f})")
         return m
 
@@ -353,8 +414,16 @@ def plan(ctx: Context, tasks: tuple) -> Plan:
             parts.append(f"v{it.version} ({kinds}; reward {r.rewards[i]:.2f}):\n\n```\n{it.request}{it.completion}\n```")
         return {"usage/samples": "\n\n".join(parts)}
 
+    def control(step: int, scalars: dict) -> dict | None:
+        action = dict(behaviour.control(step) or {})
+        version, state["rollback"] = state["rollback"], None
+        if version is not None and state["template"] is not None:
+            action["params"] = registry.load(root, version, target=state["template"])
+            discarded.append((version, step))
+        return action or None
+
     return Plan(collect=collect, prepare=prepare, evaluate=evaluate, metrics=metrics, progress=progress, texts=texts,
-                control=lambda step, scalars: behaviour.control(step))
+                control=control)
 
 
 def summary_metrics(cfg: Any) -> list[str]:

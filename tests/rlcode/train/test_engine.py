@@ -222,3 +222,30 @@ def test_lora_trains_only_the_adapters(tmp_path):
             np.testing.assert_array_equal(after, before, err_msg=name)
         elif name.endswith("['b']"):
             assert not np.array_equal(after, before), name
+
+
+def test_a_control_action_can_replace_the_parameters(tmp_path):
+    """{"params": p} from Plan.control: the next step trains from p (a rollback to a released version)."""
+    import jax  # noqa: PLC0415
+
+    seen = {}
+
+    class RollbackJob(FakeJob):
+        def plan(self, ctx, data):
+            p = super().plan(ctx, data)
+            collect = p.collect
+
+            def recording(params, version, count):
+                seen[count] = jax.tree.map(np.array, params)  # a copy: the train step donates its buffers
+                return collect(params, version, count)
+
+            return dataclasses.replace(p, collect=recording,
+                                       control=lambda step, s: {"params": seen[0]} if step == 2 else None)
+
+    result = run(config(tmp_path, steps=4, eval__every=0), RollbackJob())
+    assert result.completed
+    leaves = lambda t: jax.tree.leaves(t)  # noqa: E731
+    same = lambda a, b: all(np.array_equal(x, y) for x, y in zip(leaves(seen[a]), leaves(seen[b])))  # noqa: E731
+    # Batch 1 is sampled after one update, batch 2 after the rollback at step 2, batch 3 after one more update.
+    assert sorted(seen) == [0, 1, 2, 3]
+    assert not same(0, 1) and same(0, 2) and not same(2, 3)

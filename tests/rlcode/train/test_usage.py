@@ -15,7 +15,8 @@ from rlcode.feedback import registry
 from rlcode.feedback.deployment import deployment_config
 from rlcode.feedback.usage_log import Interaction, LogWriter, Outcome, outcome_reward
 from rlcode.train import usage
-from rlcode.train.usage import UsageConfig, UsageSource, build_rollout, regression_gate, usage_config
+from rlcode.train.usage import (UsageConfig, UsageSource, build_rollout, regression_gate, updates_behind,
+                               usage_config)
 
 
 def interaction(i, version, t, prompt=(1, 2, 3), n=3):
@@ -38,6 +39,32 @@ def test_rows_staler_than_the_bound_are_rejected(tmp_path):
     rows = src.next_rows(step=9, rows=8)
     assert [it.version for it, _ in rows] == [6, 7]
     assert src.stale == 6 and src.counters()["usage/stale_rejected"] == 6.0
+
+
+def test_staleness_counts_the_updates_since_the_served_version_less_those_a_rollback_discarded():
+    assert updates_behind(3, 10, []) == 7
+    # Rolled back at step 10 to version 5: the updates of steps 5..10 are gone.
+    assert [updates_behind(v, 12, [(5, 10)]) for v in (0, 5, 10, 11)] == [7, 2, 2, 1]
+    assert updates_behind(5, 10, [(5, 10)]) == 0
+    # Twice back to version 5 (steps 10 and 15): at step 17 version 5 is 2 updates behind.
+    assert updates_behind(5, 17, [(5, 10), (5, 15)]) == 2 and updates_behind(0, 17, [(5, 10), (5, 15)]) == 7
+
+
+def test_a_served_version_that_never_catches_up_stops_the_job_with_the_cause(tmp_path):
+    path = str(tmp_path / "usage.jsonl")
+    w = LogWriter(path)
+    count = iter(range(10**6))
+
+    def advance():  # every window serves version 0 only, and settles at once
+        i = next(count)
+        w.append(interaction(i, version=0, t=float(i)))
+        w.append(outcome(i, "latency", float(i) + 1000.0))
+
+    src = UsageSource(UsageConfig(settle_s=100.0, max_staleness=3, min_rows=2, max_idle_windows=5), path, advance)
+    assert len(src.next_rows(step=2, rows=4)) >= 2
+    with pytest.raises(RuntimeError, match="max_staleness=3.*on_reject='rollback'"):
+        src.next_rows(step=20, rows=4)
+    assert next(count) < 20  # it gave up, it did not spin
 
 
 def test_following_a_log_written_elsewhere_waits_for_settled_rows_then_times_out(tmp_path):
@@ -182,12 +209,16 @@ def test_the_served_log_probs_are_the_trainers_under_the_same_parameters(tmp_pat
 
 
 @pytest.mark.slow
-def test_a_tiny_usage_run_trains_gates_publishes_and_reports(tmp_path, sandbox_pool):
+def test_a_tiny_usage_run_trains_gates_publishes_and_reports(tmp_path, sandbox_pool, monkeypatch):
     from experiments import usage_rl  # noqa: PLC0415
 
     out = tmp_path / "exp"
     workdir = str(out / "run")
     cfg = usage_tiny(workdir, steps=4)
+    gate = usage.regression_gate
+    # The candidate of step 2 scores far below the live version: kept out, and the trainer rolls back.
+    monkeypatch.setattr(usage, "regression_gate", lambda root, step, params, score, margin: gate(
+        root, step, params, score - (1.0 if step == 2 else 0.0), margin))
     result = usage.run(cfg, pool=sandbox_pool, log=lambda m: None)
     assert result.completed and result.steps_done == 4
     with open(os.path.join(workdir, "tb", "metrics.jsonl")) as f:
@@ -200,6 +231,9 @@ def test_a_tiny_usage_run_trains_gates_publishes_and_reports(tmp_path, sandbox_p
     assert steps[-1]["usage/torn"] > 0 and steps[-1]["usage/duplicates"] > 0
     gates = [r for r in records if "gate/score" in r]
     assert [r["step"] for r in gates] == [0, 2, 4]
+    assert (gates[1]["gate/published"], gates[1]["gate/rollback"], gates[1]["gate/live_version"]) == (0.0, 1.0, 0.0)
+    # After the rollback at step 2 the trainer holds version 0 again: its rows are 0 updates stale.
+    assert steps[2]["usage/staleness_max"] == 0.0 and steps[1]["usage/staleness_max"] == 1.0
     history = registry.history(os.path.join(workdir, "registry"))
     assert history[0]["version"] == 0
     assert [h["version"] for h in history] == [0] + [int(r["step"]) for r in gates[1:] if r["gate/published"]]
