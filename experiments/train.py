@@ -230,8 +230,8 @@ def main(config: Any) -> int:
         return config_failure(e)
     except KeyboardInterrupt:
         # Before the RL loop (SFT, compilation) or a second Ctrl-C: nothing half-written is kept.
-        print(f"aborted; checkpoints saved so far are in {config.workdir}/checkpoints "
-              "(continue with --config.resume=True)", file=sys.stderr)
+        resume = "" if job is usage else " (continue with --config.resume=True)"
+        print(f"aborted; checkpoints saved so far are in {config.workdir}/checkpoints{resume}", file=sys.stderr)
         return 130
     first, last = result.first_eval or {}, result.last_eval or {}
     n = config.eval.num_samples

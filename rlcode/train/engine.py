@@ -162,6 +162,8 @@ class Job:
     reference(cfg) -> keep the start policy's parameters as the reference even with a KL
       coefficient of 0 (to measure the KL from it, or to let `Plan.control` raise the
       coefficient); with a coefficient > 0 they are always kept.
+    resumable: a stopped run can continue from its checkpoint (``resume=True``); a job whose
+      state is not all in the checkpoint (the usage job's log position) says so instead.
     """
 
     name: str
@@ -174,6 +176,7 @@ class Job:
     log_entropy: bool = True
     summary_metrics: Callable[[Any], Sequence[str]] | None = None
     reference: Callable[[Any], bool] | None = None
+    resumable: bool = True
 
 
 @dataclasses.dataclass
@@ -637,7 +640,8 @@ def train(cfg: Any, job: Job, *, pool: Any = None, log: Callable[[str], None] | 
             _save(ckpt, step, state, last_eval, first_eval)
         ckpt.wait()
         if stopped == "signal":
-            say(f"checkpoint at step {step} saved in {ckpt_dir}; continue with --config.resume=True")
+            say(f"checkpoint at step {step} saved in {ckpt_dir}"
+                + ("; continue with --config.resume=True" if job.resumable else " (this job does not resume)"))
         elif step > 0:  # the final parameters alone, for inference (evaluate, sample, export)
             save_params(os.path.join(workdir, PARAMS_DIR), state.params, extra={"step": step}, force=True)
         result = RunResult(workdir=workdir, steps_done=step, completed=step >= sched.steps,

@@ -431,7 +431,7 @@ def summary_metrics(cfg: Any) -> list[str]:
 
 
 JOB = Job(name="usage", validate=validate_config, pool_timeout=lambda cfg: cfg.reward.timeout, setup=loop.setup,
-          plan=plan, label=lambda cfg: f"{cfg.objective} from usage", summary_metrics=summary_metrics)
+          plan=plan, label=lambda cfg: f"{cfg.objective} from usage", summary_metrics=summary_metrics, resumable=False)
 
 
 def run(cfg: Any, *, pool: Any = None, log: Callable[[str], None] | None = None,
