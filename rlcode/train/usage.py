@@ -28,7 +28,8 @@ from a usage log (`rlcode.feedback.usage_log`) instead of its own sampler:
    on, or the held-out eval pool without one; the same sampling key every time) and pass the
    **regression gate**: the candidate is published to the registry (`rlcode.feedback.registry`,
    the deployment serves it from its next window) only if its ``eval/pass@1`` is at least the
-   live version's minus `usage.gate_margin`. The evaluation at step 0 publishes the warm start as
+   live version's (``usage.gate_against="live"``) or the best released version's ("best") minus
+   `usage.gate_margin`. The evaluation at step 0 publishes the warm start as
    version 0. A rejected candidate is rolled back (``usage.on_reject="rollback"``, the default):
    training continues from the live version's parameters, so the served policy and the trained
    one never drift further apart than the staleness bound allows. With "continue" the trainer
@@ -73,19 +74,23 @@ __all__ = ["UsageConfig", "usage_config", "UsageSource", "build_rollout", "regre
 
 
 REJECT_ACTIONS = ("rollback", "continue")
+GATE_REFERENCES = ("live", "best")
 
 
 @dataclasses.dataclass(frozen=True)
 class UsageConfig(TypedSection):
     """The `usage` section (module docstring). log / registry: paths ('' = ``<workdir>/usage.jsonl``
     and ``<workdir>/registry``). max_idle_windows: simulated windows in a row that bring no row
-    fresh enough before the job gives up with an error naming the cause. on_reject: what the
+    fresh enough before the job gives up with an error naming the cause. gate_against: the score
+    a candidate is compared with ("live": the live version's; "best": the best released one's).
+    on_reject: what the
     trainer does when the gate keeps a candidate out: "rollback" (continue from the live version's
     parameters) or "continue" (keep training the rejected parameters)."""
 
     SPECS = {"log": text(), "registry": text(), "simulate": flag(), "min_rows": integer(1), "settle_s": real(0),
              "max_staleness": integer(0), "poll_s": real(0, low_open=True), "wait_minutes": real(0, low_open=True),
-             "max_idle_windows": integer(1), "gate_margin": real(0), "on_reject": text(REJECT_ACTIONS),
+             "max_idle_windows": integer(1), "gate_margin": real(0), "gate_against": text(GATE_REFERENCES),
+             "on_reject": text(REJECT_ACTIONS),
              "accepted": real(), "kept": real(), "reverted": real(), "followup": real(), "latency": real()}
     SECTION = "usage"
 
@@ -99,6 +104,7 @@ class UsageConfig(TypedSection):
     wait_minutes: float = 30.0
     max_idle_windows: int = 50
     gate_margin: float = 0.0
+    gate_against: str = "live"
     on_reject: str = "rollback"
     accepted: float = 1.0
     kept: float = 1.0
@@ -290,16 +296,20 @@ def updates_behind(version: int, step: int, rollbacks: Sequence[tuple[int, int]]
     return (step - version) - sum(max(0, min(s, step) - max(v, version)) for v, s in merged)
 
 
-def regression_gate(root: str, step: int, params: Any, score: float, margin: float) -> dict[str, float]:
+def regression_gate(root: str, step: int, params: Any, score: float, margin: float,
+                    against: str = "live") -> dict[str, float]:
     """Publish `params` as version `step` in the registry at `root` if its fixed-suite `score` is
-    at least the live version's minus `margin` (the first candidate, with nothing live, always
-    is); returns the ``gate/*`` scalars (the candidate's score, its difference from the live
-    score, whether it was published, and the live version and score afterwards)."""
+    at least the reference score minus `margin` (the first candidate, with nothing live, always
+    is); the reference is the live version's score (``against="live"``) or the best score of any
+    version released so far ("best": releases cannot drift down by a margin each). Returns the
+    ``gate/*`` scalars (the candidate's score, its difference from the reference, whether it was
+    published, and the live version and score afterwards)."""
     live = registry.current(root)
     if live is None:
         ok, delta = True, 0.0
     else:
-        delta = score - live["score"]
+        reference = live["score"] if against == "live" else max(h["score"] for h in registry.history(root))
+        delta = score - reference
         ok = step > live["version"] and delta >= -margin
     if ok:
         live = registry.publish(root, step, params, {"score": score, "delta": delta})
@@ -389,7 +399,7 @@ def plan(ctx: Context, tasks: tuple) -> Plan:
         t0 = time.perf_counter()
         m, texts = loop.evaluate(evaluator, params, cfg, eval_key, prefix="eval")
         m["eval/seconds"] = time.perf_counter() - t0
-        m.update(regression_gate(root, step, params, m["eval/pass@1"], u.gate_margin))
+        m.update(regression_gate(root, step, params, m["eval/pass@1"], u.gate_margin, u.gate_against))
         rollback = step > 0 and not m["gate/published"] and u.on_reject == "rollback"
         m["gate/rollback"] = float(rollback)
         state["rollback"] = int(m["gate/live_version"]) if rollback else None

@@ -127,6 +127,18 @@ def test_the_gate_publishes_only_candidates_within_the_margin(tmp_path):
     assert [h["version"] for h in registry.history(root)] == [0, 10, 15]
 
 
+def test_a_gate_against_the_best_release_stops_a_slow_drift_down(tmp_path):
+    # Each candidate 0.015 below the previous one: within the margin of the live version every time,
+    # but the best release's margin stops the second step down.
+    p = {"w": np.zeros(2, np.float32)}
+    live, best = str(tmp_path / "live"), str(tmp_path / "best")
+    for root, against in ((live, "live"), (best, "best")):
+        for step, score in ((0, 0.30), (5, 0.285), (10, 0.27), (15, 0.255)):
+            regression_gate(root, step, p, score, margin=0.02, against=against)
+    assert [h["version"] for h in registry.history(live)] == [0, 5, 10, 15]
+    assert [h["version"] for h in registry.history(best)] == [0, 5]
+
+
 def usage_tiny(workdir, steps=4, **usage_fields):
     cfg = tiny_config(workdir, steps)
     cfg.job = "usage"
