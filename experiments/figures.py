@@ -111,6 +111,7 @@ PRODUCERS = {
     "results/reward_model.json": "python -m experiments.reward_model --publish",
     "results/overoptimization.json": "python -m experiments.overoptimization --publish (after experiments.reward_model)",
     "results/clarifying_questions.json": "python -m experiments.clarifying_questions --publish",
+    "results/usage_rl.json": "python -m experiments.usage_rl --publish",
     "results/agent_repo.json": f"{TRAIN_AGENT}, then summarise the run into it "
                                "(schema: experiments.figures.draw_agent_repo)",
 }
@@ -492,6 +493,11 @@ def overoptimization_notes(data: dict) -> str:
             + "\n".join(lines))
 
 
+def usage_rl_notes(data: dict) -> str:
+    d = data["results/usage_rl.json"]
+    return script("usage_rl").notes(d)
+
+
 def clarifying_questions_notes(data: dict) -> str:
     d = data["results/clarifying_questions.json"]
     f = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
@@ -664,6 +670,14 @@ FIGURES: dict[str, FigureSpec] = {f.name: f for f in (
         "answer costs 1) and a rebalanced one (a question costs 1.5), with the behaviour monitor's first flag of "
         "the question rate.",
         ("python -m experiments.clarifying_questions --publish",), notes=clarifying_questions_notes),
+    FigureSpec(
+        "usage_rl", ("results/usage_rl.json",),
+        lambda d, out: script("usage_rl").plot(d["results/usage_rl.json"], d["results/usage_rl.json"]["smooth"], out),
+        "Real-time RL from a usage log written by a simulated deployment (one seed): the regression gate's "
+        "decisions on each candidate (fixed-suite pass@1 against the live version), the outcome rates of the "
+        "interactions trained on, and the A/B test of each release against its predecessor (95% intervals of "
+        "the difference; Newcombe's hybrid score interval).",
+        ("python -m experiments.usage_rl --publish",), notes=usage_rl_notes),
     FigureSpec(
         "bench_moe", ("results/bench_moe.json",),
         lambda d, out: script("bench_moe").plot(d["results/bench_moe.json"]["rows"], out,

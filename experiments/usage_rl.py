@@ -73,17 +73,19 @@ def train(workdir: str, args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------ the report
 
 
-def read_log(path: str) -> tuple[list, dict]:
-    """Every interaction of the log with its outcomes (all of them: the log read to its end), and
-    the reader's counters."""
+def read_log(path: str, settle_s: float = 0.0) -> tuple[list, dict]:
+    """The interactions of the log that settled before its end (`settle_s` before its last record:
+    later ones may still miss outcomes, e.g. a keep check that never came), each with all its
+    outcomes, and the counters of the read."""
     from rlcode.feedback.usage_log import LogReader, UsageWindows  # noqa: PLC0415
 
     reader = LogReader(path)
-    windows = UsageWindows(settle_s=0.0, orphan_s=math.inf)
+    windows = UsageWindows(settle_s=settle_s, orphan_s=math.inf)
     windows.add(reader.poll())
-    windows.watermark = math.inf
     rows = windows.take(len(windows.pending))
-    return rows, {**reader.counts, **{k: windows.counts[k] for k in ("interactions", "outcomes")}}
+    unsettled = len(windows.pending)
+    return rows, {**reader.counts, **{k: windows.counts[k] for k in ("interactions", "outcomes")},
+                  "unsettled_at_end": unsettled}
 
 
 def _ci(x: tuple[float, float]) -> list[float]:
@@ -111,7 +113,7 @@ def report(workdir: str) -> dict[str, Any]:
     gates = [{"step": int(r["step"]), "score": r["gate/score"], "live_version": int(r["gate/live_version"]),
               "live_score": r["gate/live_score"], "published": bool(r["gate/published"])}
              for r in records if "gate/score" in r]
-    rows, counts = read_log(log_path)
+    rows, counts = read_log(log_path, float(cfg.usage.settle_s))
     tests = []
     for period in ab.rollout_periods(rows):
         c = ab.compare(period["rows_a"], period["rows_b"])
@@ -122,12 +124,13 @@ def report(workdir: str) -> dict[str, Any]:
                          for m in ("acceptance", "persistence", "followup", "latency")}})
     last = steps[-1] if steps else {}
     hygiene = {"records": counts["records"], "interactions": counts["interactions"], "torn": counts["torn"],
-               "duplicates": counts["duplicates"],
+               "duplicates": counts["duplicates"], "unsettled_at_end": counts["unsettled_at_end"],
                **{k: last.get(f"usage/{k}") for k in ("late_outcomes", "orphan_outcomes", "stale_rejected")}}
     with open(os.path.join(workdir, "summary.json"), encoding="utf-8") as f:
         run = json.load(f)
     return {"workdir": workdir, "completed": run["completed"], "steps": run["steps_done"], "curves": curves,
-            "gates": gates, "releases": registry.history(root), "ab_tests": tests, "log": hygiene}
+            "gates": gates, "releases": [{k: h[k] for k in ("version", "score", "delta")} for h in registry.history(root)],
+            "ab_tests": tests, "log": hygiene, "minutes": round(run["seconds"] / 60, 1)}
 
 
 def plot(data: dict, width: int, png: str) -> None:
@@ -147,7 +150,7 @@ def plot(data: dict, width: int, png: str) -> None:
                 ax_g.plot([x["step"] for x in pts], [x["score"] for x in pts], marker, ms=7, mfc="none" if ok else None,
                           label=label)
     ax_g.set_xlabel("RL step")
-    ax_g.set_ylabel("fixed-suite pass@1 (64 fresh tasks x 8)")
+    ax_g.set_ylabel("fixed-suite pass@1 (fresh tasks, 8 samples each)")
     ax_g.set_title("Regression gate", fontsize=9)
     ax_g.legend(fontsize=7)
     c = data["curves"]
@@ -194,6 +197,17 @@ def table(data: dict) -> str:
         lines.append(f"| v{t['a']} -> v{t['b']} | {t['n_a']} / {t['n_b']} | {cell('acceptance')} | "
                      f"{cell('persistence')} | {cell('followup')} |")
     return "\n".join(lines)
+
+
+def notes(data: dict) -> str:
+    """What the run says, for the figure's caption: the gate's decisions, the A/B table, the log."""
+    gates = data["gates"]
+    kept_out = [g["step"] for g in gates if not g["published"]]
+    released = [g["step"] for g in gates if g["published"] and g["step"] > 0]
+    return (f"{data['steps']} steps; released at steps {released or 'none'}, kept out at steps {kept_out or 'none'}; "
+            f"fixed-suite pass@1 {_f(gates[0]['score']) if gates else '-'} at the start, "
+            f"{_f(gates[-1]['live_score']) if gates else '-'} live at the end.\n\n" + table(data) + "\n\nLog: "
+            + ", ".join(f"{k} {v}" for k, v in data["log"].items()))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -229,8 +229,8 @@ def test_a_tiny_usage_run_trains_gates_publishes_and_reports(tmp_path, sandbox_p
     cfg = usage_tiny(workdir, steps=4)
     gate = usage.regression_gate
     # The candidate of step 2 scores far below the live version: kept out, and the trainer rolls back.
-    monkeypatch.setattr(usage, "regression_gate", lambda root, step, params, score, margin: gate(
-        root, step, params, score - (1.0 if step == 2 else 0.0), margin))
+    monkeypatch.setattr(usage, "regression_gate", lambda root, step, params, score, margin, against: gate(
+        root, step, params, score - (1.0 if step == 2 else 0.0), margin, against))
     result = usage.run(cfg, pool=sandbox_pool, log=lambda m: None)
     assert result.completed and result.steps_done == 4
     with open(os.path.join(workdir, "tb", "metrics.jsonl")) as f:
@@ -258,7 +258,8 @@ def test_a_tiny_usage_run_trains_gates_publishes_and_reports(tmp_path, sandbox_p
         data = json.load(f)
     assert data["completed"] and [g["step"] for g in data["gates"]] == [0, 2, 4]
     assert data["log"]["torn"] > 0 and data["log"]["interactions"] >= 32
-    rows, _ = usage_rl.read_log(os.path.join(workdir, "usage.jsonl"))
+    rows, counts = usage_rl.read_log(os.path.join(workdir, "usage.jsonl"), 300.0)
+    assert counts["unsettled_at_end"] > 0 and len(rows) + counts["unsettled_at_end"] == counts["interactions"]
     served = {it.version for it, _ in rows}
     assert len(data["ab_tests"]) == len(served) - 1
     assert all(t["n_a"] + t["n_b"] > 0 for t in data["ab_tests"])
