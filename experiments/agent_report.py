@@ -90,7 +90,7 @@ def expert_record(cfg, num_tasks: int, group: int, pool) -> list[dict]:
     `group` episodes (the expert's episodes of one task are identical, as a group's episodes are
     wherever they read the same files)."""
     tok = ByteTokenizer()
-    tasks = build_tasks(cfg)["train"][:num_tasks]
+    tasks = build_tasks(cfg, sets=("train",), num_train=num_tasks)["train"]
     kwargs = episode_kwargs(cfg)
     segments = []
     for task in tasks:

@@ -374,7 +374,7 @@ def evaluate_agent(args: argparse.Namespace, policy: Policy, pool: Any, log=prin
     if args.tasks == "mined":
         tasks = mined.load_prepared(args.mined_dir, splits=("test",))["test"]
     else:
-        tasks = agent.build_tasks(cfg)["eval"]
+        tasks = agent.build_tasks(cfg, sets=("eval",))["eval"]
     tasks = tasks[: args.limit] if args.limit is not None else tasks
     if not tasks:
         raise SystemExit(f"no {args.tasks} task to evaluate")

@@ -80,29 +80,44 @@ def evaluate(tasks: Sequence[repo_tasks.RepoTask], sampler: SessionSampler, para
 MINED_DIR = os.path.join(".cache", "mined")  # experiments.prepare_mined's default cache
 
 
-def build_tasks(cfg: Any) -> dict[str, list[repo_tasks.RepoTask]]:
+TASK_SETS = ("train", "eval_fresh", "eval")
+
+
+def build_tasks(cfg: Any, sets: Sequence[str] = TASK_SETS,
+                num_train: int | None = None) -> dict[str, list[repo_tasks.RepoTask]]:
     """The train, fresh-eval and eval task sets. ``task.source="repo"`` (default): the generated
     repository tasks. ``"mined"``: the bug-fix tasks prepared in ``task.mined_dir``
     (`rlcode.envs.tasks.mined.load_prepared`): its train split for training and its test split
-    (unseen projects and files) for evaluation, tasks of `task.levels`, no fresh set."""
+    (unseen projects and files) for evaluation, tasks of `task.levels`, no fresh set.
+
+    `sets`: the sets built (any other is an empty list), e.g. ``("eval",)`` for an evaluation
+    without generating the (thousands of) train tasks; `num_train`: only the first that many
+    train tasks (at most ``task.num_train``; the same tasks as the full set's first ones)."""
     t = cfg.task
     levels = list(t.levels)
+    unknown = set(sets) - set(TASK_SETS)
+    if unknown:
+        raise ValueError(f"unknown task sets {sorted(unknown)}; expected some of {TASK_SETS}")
+    n_train = t.num_train if num_train is None else min(num_train, t.num_train)
+    counts = {"train": n_train, "eval_fresh": t.num_fresh, "eval": t.num_eval}
+    counts = {k: (v if k in sets else 0) for k, v in counts.items()}
     if t.get("source", "repo") == "mined":
         from rlcode.envs.tasks import mined
 
         prepared = mined.load_prepared(t.get("mined_dir", MINED_DIR))
         pick = lambda split, n: [x for x in prepared[split] if x.difficulty in levels][:n]  # noqa: E731
         train = pick("train", t.num_train)
-        if not train:
+        if not train and "train" in sets:
             raise ConfigError(f"task.mined_dir={t.get('mined_dir', MINED_DIR)!r}: no train task of levels {tuple(levels)}")
-        return {"train": train, "eval_fresh": [], "eval": pick("test", t.num_eval)}
+        return {"train": train[:counts["train"]], "eval_fresh": [], "eval": pick("test", counts["eval"])}
 
     def make(split, num, start):
         return [repo_tasks.generate_task(start + i, difficulty=levels[i % len(levels)], split=split)
                 for i in range(num)]
     # Train and fresh-eval tasks share the train families with disjoint seeds.
-    return {"train": make("train", t.num_train, t.seed), "eval_fresh": make("train", t.num_fresh, t.seed + 10**6),
-            "eval": make("eval", t.num_eval, t.seed)}
+    return {"train": make("train", counts["train"], t.seed),
+            "eval_fresh": make("train", counts["eval_fresh"], t.seed + 10**6),
+            "eval": make("eval", counts["eval"], t.seed)}
 
 
 # --------------------------------------------------------------------------------------------

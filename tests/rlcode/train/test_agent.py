@@ -349,6 +349,23 @@ def test_agent_report_replays_the_expert_of_a_config_without_a_run(tmp_path, cap
     assert "reading the whole cache" in capsys.readouterr().out
 
 
+def test_a_subset_of_the_task_sets_is_the_full_sets_part():
+    """`build_tasks(sets=, num_train=)` (the expert replay, the evaluation script) builds the same
+    tasks as the full sets, and no others."""
+    cfg = tiny("squid")
+    cfg.task.num_train, cfg.task.num_fresh, cfg.task.num_eval = 5, 2, 3
+    ids = lambda ts: [t.task_id for t in ts]  # noqa: E731
+    full = agent.build_tasks(cfg)
+    assert [len(full[k]) for k in agent.TASK_SETS] == [5, 2, 3]
+    only_eval = agent.build_tasks(cfg, sets=("eval",))
+    assert ids(only_eval["eval"]) == ids(full["eval"]) and only_eval["train"] == only_eval["eval_fresh"] == []
+    first = agent.build_tasks(cfg, sets=("train",), num_train=2)
+    assert ids(first["train"]) == ids(full["train"])[:2] and first["eval"] == first["eval_fresh"] == []
+    assert ids(agent.build_tasks(cfg, num_train=50)["train"]) == ids(full["train"])  # at most task.num_train
+    with pytest.raises(ValueError, match="unknown task sets"):
+        agent.build_tasks(cfg, sets=("test",))
+
+
 def test_expert_demonstrations_are_cached_per_tokenizer(tmp_path):
     """The same tasks rendered with another tokenizer are other token ids: a demonstration cache
     written with bytes is never read back as BPE ids (nor the reverse)."""
