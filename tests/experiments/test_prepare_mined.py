@@ -1,8 +1,10 @@
 """experiments/prepare_mined.py end to end on a source distribution the test writes (no network):
 the pinned hash is checked, the tree unpacked once, tasks mined in the sandbox and reported."""
 
+import contextlib
 import io
 import json
+import shutil
 import tarfile
 
 import pytest
@@ -21,9 +23,8 @@ def write_sdist(path, name="fixture", version="0.1"):
             tar.addfile(info, io.BytesIO(data))
 
 
-@pytest.fixture()
-def fixture_project(tmp_path, monkeypatch):
-    cache = tmp_path / "cache"
+def pin_fixture_project(cache, monkeypatch):
+    """The fixture project's source distribution in `cache`, pinned in `prepare_mined.PROJECTS`."""
     (cache / "sdist").mkdir(parents=True)
     sdist = cache / "sdist" / "fixture-0.1.tar.gz"
     write_sdist(sdist)
@@ -32,21 +33,42 @@ def fixture_project(tmp_path, monkeypatch):
     return cache
 
 
+@pytest.fixture()
+def fixture_project(tmp_path, monkeypatch):
+    return pin_fixture_project(tmp_path / "cache", monkeypatch)
+
+
+@pytest.fixture(scope="module")
+def mined_fixture(tmp_path_factory):
+    """One run of the script on the fixture project (3 tasks, all in the test split), shared by
+    the test of its outputs and the agent job that trains on them (mining runs the project's tests
+    about twenty times): (directory it ran in, its cache, its printed output, its sha256 pin)."""
+    base = tmp_path_factory.mktemp("mined")
+    out = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp:
+        cache = pin_fixture_project(base / "cache", mp)
+        mp.chdir(base)  # a relative cache path, as the default is
+        with contextlib.redirect_stdout(out):
+            code = prepare_mined.main(["--projects", "fixture", "--tasks_per_project", "3", "--cache", "cache",
+                                       "--eval_projects", "fixture", "--timeout", "20"])
+        sha256 = prepare_mined.PROJECTS["fixture"].sha256
+    assert code == 0, out.getvalue()[-2000:]
+    return base, cache, out.getvalue(), sha256
+
+
 @pytest.mark.slow
-def test_mines_reports_and_splits_a_pinned_project(fixture_project, tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)  # a relative cache path, as the default is
-    assert prepare_mined.main(["--projects", "fixture", "--tasks_per_project", "3", "--cache", "cache",
-                               "--eval_projects", "fixture", "--timeout", "20"]) == 0
+def test_mines_reports_and_splits_a_pinned_project(mined_fixture):
+    base, fixture_project, printed, sha256 = mined_fixture
     lines = (fixture_project / "tasks.jsonl").read_text().splitlines()
     tasks = [json.loads(line) for line in lines]
     assert len(tasks) == 3 and all(t["split"] == "test" and t["failing"] for t in tasks)
     assert all(t["tests"] == ["tests/test_calc.py"] for t in tasks)
     report = json.loads((fixture_project / "report.json").read_text())["projects"]["fixture"]
-    assert report["kept"] == 3 and report["sha256"] == prepare_mined.PROJECTS["fixture"].sha256
+    assert report["kept"] == 3 and report["sha256"] == sha256
     assert sum(report["difficulty"].values()) == 3 and report["splits"] == {"test": 3}
     assert "| fixture | 0.1 | MIT |" in (fixture_project / "report.md").read_text()
-    assert not (tmp_path / "results").exists()  # only --publish writes committed evidence
-    assert "3 tasks" in capsys.readouterr().out
+    assert not (base / "results").exists()  # only --publish writes committed evidence
+    assert "3 tasks" in printed
 
 
 def test_a_changed_source_distribution_is_refused(fixture_project, monkeypatch):
@@ -63,7 +85,7 @@ def test_unknown_projects_are_named(capsys):
 
 
 @pytest.mark.slow
-def test_the_agent_job_trains_on_mined_tasks(fixture_project, tmp_path):
+def test_the_agent_job_trains_on_mined_tasks(mined_fixture, tmp_path):
     """A prepared cache (`task.source=mined`): expert demonstrations from the reference fixes, one
     GRPO step on the train split, evaluation on the test split, every episode graded by the
     project's own held-out tests."""
@@ -74,8 +96,8 @@ def test_the_agent_job_trains_on_mined_tasks(fixture_project, tmp_path):
     from rlcode.models.transformer import model_config
     from rlcode.train import agent
 
-    assert prepare_mined.main(["--projects", "fixture", "--tasks_per_project", "3", "--cache", str(fixture_project),
-                               "--timeout", "20", "--workers", "1"]) == 0
+    fixture_project = tmp_path / "cache"
+    shutil.copytree(mined_fixture[1], fixture_project)  # a copy: the splits are rewritten below
     path = fixture_project / "tasks.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     for i, row in enumerate(rows):  # one file: make both splits exist whatever its hash says
