@@ -38,7 +38,8 @@ def heldout_result(task, workdir, tmp_path):
     shutil.copytree(workdir, grading)
     paths = rt.write_heldout_tests(task, grading)
     proc = subprocess.run([sys.executable, "-B", "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths],
-                          cwd=grading, capture_output=True, text=True, timeout=120)
+                          cwd=grading, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})  # as the grader runs it
     return proc.returncode, proc.stdout
 
 

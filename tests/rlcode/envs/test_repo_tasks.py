@@ -23,8 +23,11 @@ def fingerprint(task):
 
 
 def pytest_run(directory, paths):
+    # Installed plugins are not loaded, as the grader's runner does not load them (each would cost
+    # every one of these runs its import).
     proc = subprocess.run([sys.executable, "-B", "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", *paths],
-                          cwd=directory, capture_output=True, text=True, timeout=120)
+                          cwd=directory, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})
     return proc.returncode, proc.stdout + proc.stderr
 
 
