@@ -271,7 +271,7 @@ def test_nonfinite_loss_stops_with_statistics_and_keeps_checkpoints(tmp_path, po
 
 @pytest.mark.slow
 def test_ppo_with_value_head_and_gae(tmp_path, pool):
-    cfg = tiny_job.tiny_config(tmp_path, steps=2, arg="loss=ppo", eval__at_start=False)
+    cfg = tiny_job.tiny_config(tmp_path, steps=2, arg="loss=ppo", eval__at_start=False, eval__at_end=False)
     assert cfg.model.value_head and cfg.advantage.estimator == "gae"
     result = loop.run(cfg, pool=pool)
     assert result.completed
@@ -283,7 +283,7 @@ def test_ppo_with_value_head_and_gae(tmp_path, pool):
 @pytest.mark.slow
 def test_async_mode_bounds_staleness(tmp_path, pool):
     cfg = tiny_job.tiny_config(tmp_path, steps=4, rollout__async_mode=True, rollout__max_staleness=1,
-                               eval__every=0, eval__at_start=False)
+                               eval__every=0, eval__at_start=False, eval__at_end=False)
     result = loop.run(cfg, pool=pool)
     assert result.completed and result.steps_done == 4
     rows = [r for r in read_jsonl(tmp_path / "tb") if "async/staleness" in r]
