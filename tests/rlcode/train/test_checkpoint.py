@@ -300,7 +300,7 @@ def test_save_killed_mid_write_keeps_previous_checkpoint(tmp_path):
     child = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(f"""
             import asyncio, sys, time
-            import jax, jax.numpy as jnp
+            import jax, jax.numpy as jnp, numpy as np
             from orbax.checkpoint._src.path import atomicity
             from rlcode.train.checkpoint import Checkpointer
 
@@ -312,7 +312,9 @@ def test_save_killed_mid_write_keeps_previous_checkpoint(tmp_path):
                 await asyncio.sleep(3600)
 
             atomicity.AtomicRenameTemporaryPath.finalize = never_commit
-            big = jax.random.normal(jax.random.key(0), (50_000_000,))  # 200 MB
+            # 200 MB that do not compress, drawn by numpy: the suite's XLA flags (no backend
+            # optimisation) make jax.random take seconds at this size.
+            big = jnp.asarray(np.random.default_rng(0).standard_normal(50_000_000, dtype=np.float32))
             ckpt.save(2, {{"w": jnp.arange(1000.0) + 1, "big": big}})
             print("SAVING", flush=True)
             time.sleep(600)
