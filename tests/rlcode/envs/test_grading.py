@@ -83,13 +83,23 @@ def run_grade(task, wd, tmp_path, **kwargs):
     return grading.grade(task, wd, kwargs.pop("executor", EXECUTOR), root=tmp_path, **kwargs)
 
 
+CONTROLS = ("reference_solution", "untouched_copy")
+
+
 @functools.lru_cache(maxsize=None)
+def graded_control(family: str, seed: int, name: str, grader: str) -> grading.GradeResult:
+    """The verdict of `grader` on the control copy `name` (`CONTROLS`: the reference solution, the
+    untouched starting copy) of the family's task `seed`, graded once: the tests of the reference
+    solutions, of the two graders' agreement and of the catalogue's entries all grade these copies."""
+    task = for_grader(task_of(family, seed), grader)
+    with tempfile.TemporaryDirectory() as d:
+        wd = hacks.HACKS[name].plant(task, os.path.join(d, "rollouts"))
+        return grading.grade(task, wd, EXECUTOR, timeout=60, root=d)
+
+
 def start_passed(family: str, grader: str = "checks") -> frozenset[str]:
     """Held-out tests the untouched starting copy passes."""
-    task = for_grader(task_of(family), grader)
-    with tempfile.TemporaryDirectory() as d:
-        wd = rt.materialize(task, d)
-        result = grading.grade(task, wd, EXECUTOR, timeout=60, root=d)
+    result = graded_control(family, 0, "untouched_copy", grader)
     assert result.status == "ok" and not result.all_passed and result.flags == (), result.details
     return frozenset(result.passed)
 
@@ -389,9 +399,9 @@ GRADERS = hacks.GRADERS
 
 @pytest.mark.parametrize("grader", GRADERS)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_reference_solution_passes_and_starting_copy_does_not(family, grader, tmp_path):
+def test_reference_solution_passes_and_starting_copy_does_not(family, grader):
     task = for_grader(task_of(family), grader)
-    solved = run_grade(task, rt.materialize(task, tmp_path, solved=True), tmp_path)
+    solved = graded_control(family, 0, "reference_solution", grader)
     assert solved.status == "ok" and solved.all_passed and solved.pass_fraction == 1.0, solved.details
     assert solved.flags == () and solved.failed == () and solved.passed == grading.expected_test_ids(task)
     assert solved.returncode == 0 and solved.exit_status == (0 if grader == "pytest" else None)
@@ -427,11 +437,14 @@ def test_the_two_graders_agree_on_every_test(family, tmp_path):
     equal to anything: the tests compare exact types)."""
     for seed, names in ((0, ("reference_solution", "untouched_copy", "always_equal_object", "anything_int_object")),
                         (1, ("reference_solution", "untouched_copy", "wrong_solution"))):
-        task = rt.generate_task(seed, family=family, split=rt.FAMILIES[family].split)
+        task = task_of(family, seed)
         for name in names:
-            wd = hacks.HACKS[name].plant(task, tmp_path / "rollouts")
-            checks = run_grade(task, wd, tmp_path)
-            suite = run_grade(as_suite(task), wd, tmp_path)
+            if name in CONTROLS:
+                checks, suite = (graded_control(family, seed, name, grader) for grader in ("checks", "pytest"))
+            else:
+                wd = hacks.HACKS[name].plant(task, tmp_path / "rollouts")
+                checks = run_grade(task, wd, tmp_path)
+                suite = run_grade(as_suite(task), wd, tmp_path)
             assert checks.passed == suite.passed, (task.task_id, name, checks.details, suite.details)
             if hacks.HACKS[name].group == "always_equal":
                 assert checks.status == suite.status == "ok"
@@ -556,7 +569,10 @@ def test_every_entry_is_caught_by_both_graders(hack, grader, tmp_path):
     family = FAMILIES[list(hacks.HACKS).index(hack.name) % len(FAMILIES)]
     task = for_grader(task_of(family), grader)
     kwargs = {"timeout": hack.timeout} if hack.timeout else {}
-    result = run_grade(task, plant(hack, task, tmp_path), tmp_path, **kwargs)
+    if hack.name in CONTROLS and not kwargs:
+        result = graded_control(family, 0, hack.name, grader)
+    else:
+        result = run_grade(task, plant(hack, task, tmp_path), tmp_path, **kwargs)
     assert result.valid, result.details
     assert set(hack.expected_flags(grader)) <= set(result.flags), (result.flags, result.details)
     reward = _reward(result, task)
