@@ -78,7 +78,7 @@ SYNTH_SECTIONS = {
     "sampling": {"max_new_tokens": integer(1), "temperature": real(0, low_open=True), "top_k": integer(0),
                  "top_p": real(0, 1, low_open=True)},
     "rollout": {"prompts_per_step": integer(1), "group_size": integer(1), "async_mode": flag(),
-                "max_staleness": integer(0), "max_draws": integer(1)},
+                "max_staleness": integer(0), "max_draws": integer(1), "trim_multiple": integer(1, required=False)},
     "sandbox": {"workers": integer(1, MAX_SANDBOX_WORKERS)},
     "reward": schema_from_defaults(synth_reward_config(), SYNTH_REWARD_SPECS),
     "monitor": schema_from_defaults(monitor_config(), MonitorConfig.SPECS),
@@ -440,7 +440,7 @@ def plan(ctx: Context, tasks: tuple) -> Plan:
             parts.append(f"reward={r.rewards[i]:.2f}\n\n```\n{r.texts[i]}\n```")
         return {"rollout/samples": "\n\n".join(parts)}
 
-    make_batch = make_prepare_fn(objective, advantage, options, ctx.graphdef, G, tok.pad_id)
+    make_batch = make_prepare_fn(objective, advantage, options, ctx.graphdef, G, tok.pad_id, rollout.trim_multiple)
     kl_logged: dict[str, float] = {}
 
     def prepare(params, ref_params, r: Rollout) -> dict:

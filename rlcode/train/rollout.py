@@ -47,7 +47,7 @@ from rlcode.tokenizer import Tokenizer
 from rlcode.train.schema import MAX_SANDBOX_WORKERS
 
 ROLLOUT_SPECS = {"prompts_per_step": integer(1), "group_size": integer(1), "async_mode": boolean(),
-                 "max_staleness": integer(0), "max_draws": integer(1)}
+                 "max_staleness": integer(0), "max_draws": integer(1), "trim_multiple": integer(1, required=False)}
 SANDBOX_SPECS = {"workers": integer(1, MAX_SANDBOX_WORKERS), "timeout": real(0, low_open=True, none_ok=True)}
 
 
@@ -56,7 +56,10 @@ class RolloutConfig(TypedSection):
     """The `rollout` section, validated and frozen: P = prompts_per_step prompts x G =
     group_size samples per batch; async_mode samples in a background thread, dropping a batch
     more than max_staleness parameter versions old; max_draws bounds the draws of dynamic
-    sampling (`RolloutCollector.collect`). The agent job's section holds only P and G."""
+    sampling (`RolloutCollector.collect`); trim_multiple: the train batch's time axis is cut to
+    the longest row rounded up to this multiple (`trim_batch`: a larger multiple means fewer
+    distinct shapes to compile, more padding to compute). The agent job's section holds only P
+    and G."""
 
     SPECS = ROLLOUT_SPECS
     SECTION = "rollout"
@@ -66,6 +69,7 @@ class RolloutConfig(TypedSection):
     async_mode: bool = False
     max_staleness: int = 1
     max_draws: int = 4
+    trim_multiple: int = 32
 
 
 @dataclasses.dataclass(frozen=True)

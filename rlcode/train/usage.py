@@ -67,7 +67,7 @@ from rlcode.envs.rewards import SynthRewardConfig
 from rlcode.recipes import ShapingConfig
 from rlcode.train import loop
 from rlcode.train.engine import Context, Job, Plan, RunResult, train
-from rlcode.train.rollout import Grader, Rollout, RolloutCollector, compiles
+from rlcode.train.rollout import Grader, Rollout, RolloutCollector, RolloutConfig, compiles
 
 __all__ = ["UsageConfig", "usage_config", "UsageSource", "build_rollout", "regression_gate", "updates_behind",
            "JOB", "run"]
@@ -337,7 +337,8 @@ def plan(ctx: Context, tasks: tuple) -> Plan:
     eval_key = jax.random.fold_in(jax.random.key(cfg.seed), 2)
     P, M, Lp = cfg.rollout.prompts_per_step, cfg.sampling.max_new_tokens, cfg.task.max_prompt_len
     behaviour = BehaviourWatch(cfg.get("behaviour"), ctx.say)
-    make_batch = loop.make_prepare_fn(objective, advantage, options, ctx.graphdef, 1, tok.pad_id)
+    make_batch = loop.make_prepare_fn(objective, advantage, options, ctx.graphdef, 1, tok.pad_id,
+                                      RolloutConfig.from_config(cfg.rollout).trim_multiple)
     state: dict[str, Any] = {"deployment": None, "source": None, "rows": None, "template": None, "rollback": None}
     discarded: list[tuple[int, int]] = []  # (version, step): a rollback at `step` to `version`
 

@@ -34,7 +34,9 @@ def tiny_config(workdir, steps=3, arg=None, **overrides):
     cfg.model.update(d_model=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, ffw_dim=64)
     cfg.task.update(levels=(1,), num_train=24, num_eval=4, num_fresh=0, max_prompt_len=160)
     cfg.sampling.max_new_tokens = 48
-    cfg.rollout.update(prompts_per_step=2, group_size=4)
+    # One train-batch length (the prompt and completion limits fit in 256): a 4-step job then
+    # compiles its scoring and train step once instead of once per distinct length.
+    cfg.rollout.update(prompts_per_step=2, group_size=4, trim_multiple=256)
     cfg.sandbox.workers = 2
     cfg.sft.update(steps=0, batch_size=4, cache_dir=os.path.join(str(workdir), "sft_cache"), warmup_steps=1)
     cfg.train.steps = steps
