@@ -3,18 +3,16 @@ diff after the task's instruction) and the tests pay nothing, but still decide s
 
 import difflib
 
-import jax
 import pytest
-from flax import nnx
 
 from support.local_executor import LocalExecutor
+from support.reward_models import save_tiny_reward_model
 
 from configs.agent_repo import get_config
 from rlcode.checks import ConfigError
 from rlcode.envs import harness
 from rlcode.envs.tasks import repo as repo_tasks
 from rlcode.feedback import reward_model as rm
-from rlcode.models.transformer import init_model, model_config
 from rlcode.tokenizer import ByteTokenizer
 from rlcode.train import agent
 from rlcode.train.episodes import episode_kwargs, grade_episode
@@ -22,14 +20,7 @@ from rlcode.train.episodes import episode_kwargs, grade_episode
 
 @pytest.fixture(scope="module")
 def reward_dir(tmp_path_factory):
-    model = init_model(model_config(vocab_size=320, d_model=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                                    head_dim=16, ffw_dim=64, value_head=True), 5)
-    gd, state = nnx.split(model)
-    params = nnx.to_pure_dict(state)
-    params["value_w"] = jax.random.normal(jax.random.key(1), params["value_w"].shape) * 0.5
-    path = str(tmp_path_factory.mktemp("rm") / "model")
-    rm.RewardModel(gd, params, ByteTokenizer(), max_len=512).save(path)
-    return path
+    return save_tiny_reward_model(tmp_path_factory.mktemp("rm") / "model", max_len=512)
 
 
 @pytest.mark.slow

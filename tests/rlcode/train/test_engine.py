@@ -224,6 +224,7 @@ def test_lora_trains_only_the_adapters(tmp_path):
             assert not np.array_equal(after, before), name
 
 
+@pytest.mark.slow
 def test_a_control_action_can_replace_the_parameters(tmp_path):
     """{"params": p} from Plan.control: the next step trains from p (a rollback to a released version)."""
     import jax  # noqa: PLC0415

@@ -5,16 +5,14 @@ actions (stop, raise the KL coefficient, refresh the reward model) take effect."
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
 from support import tiny_job
+from support.reward_models import save_tiny_reward_model
 
 from rlcode.checks import ConfigError
 from rlcode.envs.rewards import SynthRewardConfig, synth_rewards
 from rlcode.feedback import monitor as monitor_lib
 from rlcode.feedback import reward_model as rm
-from rlcode.models.transformer import init_model, model_config
-from rlcode.tokenizer import ByteTokenizer
 from rlcode.train import loop
 from rlcode.train.metrics import read_jsonl
 
@@ -27,15 +25,7 @@ def pool(sandbox_pool):
 @pytest.fixture(scope="module")
 def reward_dir(tmp_path_factory):
     """A tiny byte-level reward model with a random (nonzero) value head, saved."""
-    model = init_model(model_config(vocab_size=320, d_model=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                                    head_dim=16, ffw_dim=64, value_head=True), 5)
-    gd, state = nnx.split(model)
-    params = nnx.to_pure_dict(state)
-    key = jax.random.key(1)
-    params["value_w"] = jax.random.normal(key, params["value_w"].shape) * 0.5
-    path = str(tmp_path_factory.mktemp("rm") / "model")
-    rm.RewardModel(gd, params, ByteTokenizer(), max_len=256).save(path)
-    return path
+    return save_tiny_reward_model(tmp_path_factory.mktemp("rm") / "model")
 
 
 def learned_config(tmp_path, reward_dir, steps=3, **overrides):
