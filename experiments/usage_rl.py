@@ -73,13 +73,13 @@ def train(workdir: str, args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------ the report
 
 
-def read_log(path: str, settle_s: float = 0.0) -> tuple[list, dict]:
+def read_log(path: str, settle_s: float = 0.0, key: bytes | None = None) -> tuple[list, dict]:
     """The interactions of the log that settled before its end (`settle_s` before its last record:
     later ones may still miss outcomes, e.g. a keep check that never came), each with all its
     outcomes, and the counters of the read."""
     from rlcode.feedback.usage_log import LogReader, UsageWindows  # noqa: PLC0415
 
-    reader = LogReader(path)
+    reader = LogReader(path, key=key)
     windows = UsageWindows(settle_s=settle_s, orphan_s=math.inf)
     windows.add(reader.poll())
     rows = windows.take(len(windows.pending))
@@ -95,7 +95,7 @@ def _ci(x: tuple[float, float]) -> list[float]:
 def report(workdir: str) -> dict[str, Any]:
     from rlcode.feedback import ab, registry  # noqa: PLC0415
     from rlcode.train.metrics import read_jsonl  # noqa: PLC0415
-    from rlcode.train.usage import paths  # noqa: PLC0415
+    from rlcode.train.usage import log_key, paths  # noqa: PLC0415
 
     import ml_collections  # noqa: PLC0415
 
@@ -113,7 +113,7 @@ def report(workdir: str) -> dict[str, Any]:
     gates = [{"step": int(r["step"]), "score": r["gate/score"], "live_version": int(r["gate/live_version"]),
               "live_score": r["gate/live_score"], "published": bool(r["gate/published"])}
              for r in records if "gate/score" in r]
-    rows, counts = read_log(log_path, float(cfg.usage.settle_s))
+    rows, counts = read_log(log_path, float(cfg.usage.settle_s), log_key(cfg))
     tests = []
     for period in ab.rollout_periods(rows):
         c = ab.compare(period["rows_a"], period["rows_b"])

@@ -93,11 +93,12 @@ class Deployment:
 
     collector: a `rlcode.train.rollout.RolloutCollector` over the users' task pool (its sampler
     and grader serve and grade requests). template: parameters of the served model's structure
-    (to load published versions into)."""
+    (to load published versions into). key: the records are signed with it (`LogWriter`)."""
 
-    def __init__(self, cfg: DeploymentConfig, collector: Any, registry_root: str, log_path: str, template: Any):
+    def __init__(self, cfg: DeploymentConfig, collector: Any, registry_root: str, log_path: str, template: Any,
+                 key: bytes | None = None):
         self.cfg, self.collector, self.root, self.template = cfg, collector, registry_root, template
-        self.writer = LogWriter(log_path)
+        self.writer = LogWriter(log_path, key=key)
         self.rng = np.random.default_rng([cfg.seed, 23])
         self.key = jax.random.key(cfg.seed + 1)
         u = np.random.default_rng([cfg.seed, 29])
@@ -200,7 +201,7 @@ class Deployment:
     def _deliver(self, until: float) -> None:
         while self._queue and self._queue[0][0] <= until:
             arrival, _, record, may_tear = heapq.heappop(self._queue)
-            line = encode_record(dict(record, logged_at=arrival))
+            line = encode_record(dict(record, logged_at=arrival), self.writer.key)
             if may_tear and self.rng.random() < self.cfg.torn_rate:
                 cut = int(self.rng.integers(1, len(line) - 1))
                 self.writer.write_raw(line[:cut])  # the writer dies here; the record is sent again

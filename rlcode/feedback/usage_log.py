@@ -14,6 +14,13 @@ different times:
 ## Format (one record per line)
 
     <crc32 of the JSON text, 8 hex digits> TAB <JSON object> LF
+    h<HMAC-SHA256 of the JSON text under a shared key, 64 hex digits> TAB <JSON object> LF
+
+The second form is an *authenticated* record: with a key, writers sign every record and the reader
+accepts only records signed with that key, so whoever can append to the log but does not hold the
+key (a client inventing "accepted" events, a program that found the file) cannot forge a reward;
+complete records that are unsigned or wrongly signed are counted as ``unauthenticated`` and
+skipped (a torn line still counts as torn).
 
 Every record has ``type`` ("interaction" or "outcome"), a unique ``id`` and ``logged_at`` (when it
 was appended, seconds; the writer's clock). An interaction has ``version``, ``time``, ``user``,
@@ -40,6 +47,8 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import hashlib
+import hmac
 import json
 import math
 import os
@@ -102,28 +111,43 @@ class Outcome:
 # ------------------------------------------------------------------------------ lines
 
 
-def encode_record(record: Mapping[str, Any]) -> bytes:
-    """One log line (checksum, tab, JSON, newline) for a record dict."""
-    text = json.dumps(record, separators=(",", ":"), sort_keys=True, allow_nan=False)
-    return f"{zlib.crc32(text.encode()):08x}\t{text}\n".encode()
+def _signature(key: bytes, text: bytes) -> bytes:
+    return b"h" + hmac.new(key, text, hashlib.sha256).hexdigest().encode()
+
+
+def encode_record(record: Mapping[str, Any], key: bytes | None = None) -> bytes:
+    """One log line (checksum or signature, tab, JSON, newline) for a record dict; signed with
+    HMAC-SHA256 under `key` when one is given."""
+    text = json.dumps(record, separators=(",", ":"), sort_keys=True, allow_nan=False).encode()
+    head = _signature(key, text) if key else f"{zlib.crc32(text):08x}".encode()
+    return head + b"\t" + text + b"\n"
+
+
+class UnauthenticatedRecord(LogFormatError):
+    """A line that is not signed with the reader's key."""
 
 
 def _finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def decode_record(line: bytes) -> Interaction | Outcome:
+def decode_record(line: bytes, key: bytes | None = None) -> Interaction | Outcome:
     """The record of one complete line (without its newline); LogFormatError when the line is
-    torn, corrupted or not a valid record."""
-    crc, sep, text = line.partition(b"\t")
-    if not sep or len(crc) != 8:
+    torn, corrupted or not a valid record; with a `key`, UnauthenticatedRecord when the line is
+    not signed with it."""
+    head, sep, text = line.partition(b"\t")
+    if not sep or len(head) not in (8, 65):
         raise LogFormatError("no checksum field")
+    if key and len(head) == 8:
+        raise UnauthenticatedRecord("an unsigned record")
     try:
-        if int(crc, 16) != zlib.crc32(text):
+        if not key and int(head, 16) != zlib.crc32(text):
             raise LogFormatError("checksum mismatch")
         rec = json.loads(text)
     except (ValueError, UnicodeDecodeError) as e:
-        raise LogFormatError(f"not a record: {e}") from None
+        raise LogFormatError(f"not a record: {e}") from None  # torn, or a corrupted checksum or JSON
+    if key and not hmac.compare_digest(head, _signature(key, text)):
+        raise UnauthenticatedRecord("not signed with the log's key")
     if not isinstance(rec, dict) or not isinstance(rec.get("id"), str) or not _finite(rec.get("logged_at")):
         raise LogFormatError("a record needs a string id and a finite logged_at")
     kind = rec.get("type")
@@ -152,16 +176,18 @@ def decode_record(line: bytes) -> Interaction | Outcome:
 
 
 class LogWriter:
-    """Appends records to the log at `path` (created if missing). Safe with other writers in
-    other processes: each record is one ``write`` under an exclusive ``flock`` of the file."""
+    """Appends records to the log at `path` (created if missing), signed when given a `key`. Safe
+    with other writers in other processes: each record is one ``write`` under an exclusive
+    ``flock`` of the file."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, key: bytes | None = None):
         self.path = os.fspath(path)
+        self.key = key
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
 
     def append(self, record: Interaction | Outcome | Mapping[str, Any]) -> None:
-        self.write_raw(encode_record(record.record() if hasattr(record, "record") else record))
+        self.write_raw(encode_record(record.record() if hasattr(record, "record") else record, self.key))
 
     def write_raw(self, data: bytes) -> None:
         """Append bytes as they are (a test or a simulation may write a torn record with it)."""
@@ -189,16 +215,19 @@ class LogWriter:
 
 
 class LogReader:
-    """Reads the records appended to `path` since the last `poll`, from byte `offset` on.
+    """Reads the records appended to `path` since the last `poll`, from byte `offset` on; with a
+    `key`, only records signed with it.
 
     Counters: ``records`` (valid, new), ``torn`` (lines that are not valid records: skipped),
-    ``duplicates`` (a record id seen before: skipped)."""
+    ``unauthenticated`` (not signed with the key: skipped), ``duplicates`` (a record id seen
+    before: skipped)."""
 
-    def __init__(self, path: str | os.PathLike, offset: int = 0):
+    def __init__(self, path: str | os.PathLike, offset: int = 0, key: bytes | None = None):
         self.path = os.fspath(path)
         self.offset = offset
+        self.key = key
         self.seen: set[str] = set()
-        self.counts = {"records": 0, "torn": 0, "duplicates": 0}
+        self.counts = {"records": 0, "torn": 0, "unauthenticated": 0, "duplicates": 0}
 
     def poll(self) -> list[Interaction | Outcome]:
         if not os.path.exists(self.path):
@@ -213,7 +242,10 @@ class LogReader:
         out = []
         for line in data[:end].split(b"\n"):
             try:
-                rec = decode_record(line)
+                rec = decode_record(line, self.key)
+            except UnauthenticatedRecord:
+                self.counts["unauthenticated"] += 1
+                continue
             except LogFormatError:
                 self.counts["torn"] += 1
                 continue

@@ -80,14 +80,17 @@ GATE_REFERENCES = ("live", "best")
 @dataclasses.dataclass(frozen=True)
 class UsageConfig(TypedSection):
     """The `usage` section (module docstring). log / registry: paths ('' = ``<workdir>/usage.jsonl``
-    and ``<workdir>/registry``). max_idle_windows: simulated windows in a row that bring no row
+    and ``<workdir>/registry``). key_env: the name of an environment variable holding the key the
+    log's records are signed with (`rlcode.feedback.usage_log`: unsigned records are then
+    skipped; '' = records carry a checksum only). max_idle_windows: simulated windows in a row that bring no row
     fresh enough before the job gives up with an error naming the cause. gate_against: the score
     a candidate is compared with ("live": the live version's; "best": the best released one's).
     on_reject: what the
     trainer does when the gate keeps a candidate out: "rollback" (continue from the live version's
     parameters) or "continue" (keep training the rejected parameters)."""
 
-    SPECS = {"log": text(), "registry": text(), "simulate": flag(), "min_rows": integer(1), "settle_s": real(0),
+    SPECS = {"log": text(), "registry": text(), "key_env": text(), "simulate": flag(), "min_rows": integer(1),
+             "settle_s": real(0),
              "max_staleness": integer(0), "poll_s": real(0, low_open=True), "wait_minutes": real(0, low_open=True),
              "max_idle_windows": integer(1), "gate_margin": real(0), "gate_against": text(GATE_REFERENCES),
              "on_reject": text(REJECT_ACTIONS),
@@ -96,6 +99,7 @@ class UsageConfig(TypedSection):
 
     log: str = ""
     registry: str = ""
+    key_env: str = ""
     simulate: bool = True
     min_rows: int = 16
     settle_s: float = 2400.0
@@ -134,12 +138,24 @@ def paths(cfg: Any) -> tuple[str, str]:
     return (u.log or os.path.join(cfg.workdir, "usage.jsonl"), u.registry or os.path.join(cfg.workdir, "registry"))
 
 
+def log_key(cfg: Any) -> bytes | None:
+    """The key of the log's signed records (``usage.key_env``), or None."""
+    name = cfg.usage.get("key_env", "")
+    if not name:
+        return None
+    value = os.environ.get(name, "")
+    if not value:
+        raise ConfigError(f"usage.key_env={name!r}: the environment variable is not set (or empty)")
+    return value.encode()
+
+
 def validate_config(cfg: Any, num_devices: int | None = None, budget: Any = None) -> None:
     """The synthesis job's checks (the tasks, sampling, rollout, model and training sections are
     its), then the usage job's own."""
     loop.validate_config(cfg, num_devices, budget, extra_sections=USAGE_SECTIONS)
     u = UsageConfig.from_config(cfg.usage)
     d = DeploymentConfig.from_config(cfg.deployment)
+    log_key(cfg)
     if cfg.resume:
         raise ConfigError("resume=True: the usage job does not resume (its log position and simulated deployment "
                           "are not checkpointed); start a new workdir")
@@ -172,9 +188,10 @@ class UsageSource:
     `advance`); None: another process writes the log, and `next_rows` polls it."""
 
     def __init__(self, cfg: UsageConfig, log_path: str, advance: Callable[[], Any] | None = None,
-                 sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic):
+                 sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic,
+                 key: bytes | None = None):
         self.cfg, self.advance, self.sleep, self.clock = cfg, advance, sleep, clock
-        self.reader = LogReader(log_path)
+        self.reader = LogReader(log_path, key=key)
         self.windows = UsageWindows(cfg.settle_s)
         self.stale = 0
 
@@ -226,6 +243,7 @@ class UsageSource:
 
     def counters(self) -> dict[str, float]:
         return {"usage/stale_rejected": float(self.stale), "usage/torn": float(self.reader.counts["torn"]),
+                "usage/unauthenticated": float(self.reader.counts["unauthenticated"]),
                 "usage/duplicates": float(self.reader.counts["duplicates"]),
                 "usage/late_outcomes": float(self.windows.counts["late"]),
                 "usage/orphan_outcomes": float(self.windows.counts["orphans"]),
@@ -325,6 +343,7 @@ def plan(ctx: Context, tasks: tuple) -> Plan:
     train_tasks, eval_tasks, fresh_tasks = tasks
     u, d = UsageConfig.from_config(cfg.usage), DeploymentConfig.from_config(cfg.deployment)
     log_path, root = paths(cfg)
+    key = log_key(cfg)
     objective, options = ctx.objective, ctx.sampling
     advantage = adv_lib.AdvantageConfig.from_config(cfg.advantage)
     reward, shaping = SynthRewardConfig.from_config(cfg.reward), ShapingConfig.from_config(cfg.shaping)
@@ -356,10 +375,10 @@ def plan(ctx: Context, tasks: tuple) -> Plan:
             advance = None
             if u.simulate:
                 users = RolloutCollector(ctx.graphdef, train_tasks, tok, grader, sampling, reward, shaping, 1)
-                state["deployment"] = Deployment(d, users, root, log_path, template=params)
+                state["deployment"] = Deployment(d, users, root, log_path, template=params, key=key)
                 ctx.resources.callback(state["deployment"].close)
                 advance = state["deployment"].advance
-            state["source"] = UsageSource(u, log_path, advance)
+            state["source"] = UsageSource(u, log_path, advance, key=key)
         return state["source"]
 
     def collect(params, version, count):

@@ -9,8 +9,9 @@ import zlib
 
 import pytest
 
-from rlcode.feedback.usage_log import (Interaction, LogFormatError, LogReader, LogWriter, Outcome, UsageWindows,
-                                       decode_record, encode_record, outcome_reward)
+from rlcode.feedback.usage_log import (Interaction, LogFormatError, LogReader, LogWriter, Outcome,
+                                       UnauthenticatedRecord, UsageWindows, decode_record, encode_record,
+                                       outcome_reward)
 
 
 def interaction(i, t=0.0, version=0, logged_at=None, n=3):
@@ -64,7 +65,7 @@ def test_reader_skips_torn_and_duplicate_records_and_waits_for_an_unfinished_lin
     w.append(interaction(1))  # delivered twice
     got = r.poll()
     assert [x.id for x in got] == ["i1", "i3"]
-    assert r.counts == {"records": 2, "torn": 1, "duplicates": 1}
+    assert r.counts == {"records": 2, "torn": 1, "unauthenticated": 0, "duplicates": 1}
     # A record being written (no newline yet) is not consumed until it is complete.
     with open(path, "ab") as f:
         f.write(line[:30])
@@ -178,3 +179,24 @@ def test_outcome_reward_counts_each_kind_once_and_scales_the_latency():
     assert outcome_reward(outs, weights) == pytest.approx(1.0 + 1.0 - 0.2)
     assert outcome_reward([outcome(2, "followup", 1.0)], weights) == -0.5
     assert outcome_reward([], weights) == 0.0
+
+
+def test_with_a_key_only_records_signed_with_it_are_read(tmp_path):
+    path = tmp_path / "usage.jsonl"
+    key = b"shared secret of the serving system"
+    LogWriter(path, key=key).append(interaction(1))
+    LogWriter(path).append(outcome(1, "accepted", 1.0))  # a writer without the key: a valid checksum only
+    LogWriter(path, key=b"another key").append(outcome(1, "kept", 2.0))
+    signed = encode_record(outcome(1, "reverted", 3.0).record(), key)
+    forged = signed.replace(b'"reverted"', b'"kept"')  # the signature no longer matches the text
+    LogWriter(path).write_raw(forged)
+    LogWriter(path, key=key).append(interaction(2))
+    r = LogReader(path, key=key)
+    assert [x.id for x in r.poll()] == ["i1", "i2"]
+    assert r.counts["unauthenticated"] == 3 and r.counts["records"] == 2
+    with pytest.raises(UnauthenticatedRecord):
+        decode_record(forged[:-1], key)
+    assert decode_record(signed[:-1], key).kind == "reverted"
+    # Without a key the signed lines are not checksummed lines: a reader without the key reads none of them.
+    plain = LogReader(path)
+    assert [x.id for x in plain.poll()] == ["i1-accepted"]

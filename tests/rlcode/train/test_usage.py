@@ -156,6 +156,7 @@ def usage_tiny(workdir, steps=4, **usage_fields):
     ("advantage.normalize", "std", "batch"), ("usage.min_rows", 9, "min_rows"),
     ("usage.settle_s", 150.0, "keep_after_s"), ("eval.every", 0, "eval.every"), ("usage.gate_margin", -0.1, "gate"),
     ("deployment.bar_high", 0.4, "bar_high=0.4"), ("usage.unknown", 1, "unknown"),
+    ("usage.key_env", "RLCODE_TEST_UNSET_KEY", "not set"),
 ])
 def test_config_errors_name_the_field(tmp_path, field, value, match):
     cfg = usage_tiny(tmp_path)
@@ -226,7 +227,8 @@ def test_a_tiny_usage_run_trains_gates_publishes_and_reports(tmp_path, sandbox_p
 
     out = tmp_path / "exp"
     workdir = str(out / "run")
-    cfg = usage_tiny(workdir, steps=4)
+    cfg = usage_tiny(workdir, steps=4, key_env="RLCODE_TEST_LOG_KEY")
+    monkeypatch.setenv("RLCODE_TEST_LOG_KEY", "a key the deployment signs with")
     gate = usage.regression_gate
     # The candidate of step 2 scores far below the live version: kept out, and the trainer rolls back.
     monkeypatch.setattr(usage, "regression_gate", lambda root, step, params, score, margin, against: gate(
@@ -241,6 +243,10 @@ def test_a_tiny_usage_run_trains_gates_publishes_and_reports(tmp_path, sandbox_p
         assert 4 <= r["usage/rows"] <= 8 and r["usage/staleness_max"] <= 6
         assert math.isfinite(r["train/loss"]) and "train/is_weight_mean" in r and "behaviour/length" in r
     assert steps[-1]["usage/torn"] > 0 and steps[-1]["usage/duplicates"] > 0
+    assert steps[-1]["usage/unauthenticated"] == 0  # every record is signed with the key (torn ones aside)
+    with open(os.path.join(workdir, "usage.jsonl"), "rb") as f:
+        lines = f.read().splitlines()
+    assert sum(line.startswith(b"h") for line in lines) > 0.8 * len(lines)
     gates = [r for r in records if "gate/score" in r]
     assert [r["step"] for r in gates] == [0, 2, 4]
     assert (gates[1]["gate/published"], gates[1]["gate/rollback"], gates[1]["gate/live_version"]) == (0.0, 1.0, 0.0)
@@ -258,7 +264,7 @@ def test_a_tiny_usage_run_trains_gates_publishes_and_reports(tmp_path, sandbox_p
         data = json.load(f)
     assert data["completed"] and [g["step"] for g in data["gates"]] == [0, 2, 4]
     assert data["log"]["torn"] > 0 and data["log"]["interactions"] >= 32
-    rows, counts = usage_rl.read_log(os.path.join(workdir, "usage.jsonl"), 300.0)
+    rows, counts = usage_rl.read_log(os.path.join(workdir, "usage.jsonl"), 300.0, b"a key the deployment signs with")
     assert counts["unsettled_at_end"] > 0 and len(rows) + counts["unsettled_at_end"] == counts["interactions"]
     served = {it.version for it, _ in rows}
     assert len(data["ab_tests"]) == len(served) - 1
