@@ -73,21 +73,6 @@ def train(workdir: str, args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------ the report
 
 
-def read_log(path: str, settle_s: float = 0.0, key: bytes | None = None) -> tuple[list, dict]:
-    """The interactions of the log that settled before its end (`settle_s` before its last record:
-    later ones may still miss outcomes, e.g. a keep check that never came), each with all its
-    outcomes, and the counters of the read."""
-    from rlcode.feedback.usage_log import LogReader, UsageWindows  # noqa: PLC0415
-
-    reader = LogReader(path, key=key)
-    windows = UsageWindows(settle_s=settle_s, orphan_s=math.inf)
-    windows.add(reader.poll())
-    rows = windows.take(len(windows.pending))
-    unsettled = len(windows.pending)
-    return rows, {**reader.counts, **{k: windows.counts[k] for k in ("interactions", "outcomes")},
-                  "unsettled_at_end": unsettled}
-
-
 def _ci(x: tuple[float, float]) -> list[float]:
     return [float(x[0]), float(x[1])]
 
@@ -95,6 +80,7 @@ def _ci(x: tuple[float, float]) -> list[float]:
 def report(workdir: str) -> dict[str, Any]:
     from rlcode.feedback import ab, registry  # noqa: PLC0415
     from rlcode.train.metrics import read_jsonl  # noqa: PLC0415
+    from rlcode.feedback.usage_log import read_log  # noqa: PLC0415
     from rlcode.train.usage import log_key, paths  # noqa: PLC0415
 
     import ml_collections  # noqa: PLC0415

@@ -57,7 +57,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 __all__ = ["OUTCOME_KINDS", "Interaction", "Outcome", "LogWriter", "LogReader", "UsageWindows", "encode_record",
-           "decode_record", "outcome_reward"]
+           "decode_record", "outcome_reward", "read_log"]
 
 OUTCOME_KINDS = ("accepted", "kept", "reverted", "followup", "latency")
 _INTERACTION_FIELDS = {"version": int, "time": (int, float), "user": str, "request": str, "prompt_ids": list,
@@ -327,3 +327,18 @@ class UsageWindows:
             out.append((it, self.outcomes.pop(it.id, [])))
         self.counts["handed"] += len(out)
         return out
+
+
+def read_log(path: str | os.PathLike, settle_s: float = 0.0,
+             key: bytes | None = None) -> tuple[list[tuple[Interaction, list[Outcome]]], dict]:
+    """A whole log read at once, as an analyst reads it: the interactions that settled before its
+    end (`settle_s` before its last record: later ones may still miss outcomes, e.g. a keep check
+    that never came), each with all its outcomes, and the counters of the read (the reader's,
+    interactions and outcomes joined, ``unsettled_at_end``)."""
+    reader = LogReader(path, key=key)
+    windows = UsageWindows(settle_s=settle_s, orphan_s=math.inf)
+    windows.add(reader.poll())
+    rows = windows.take(len(windows.pending))
+    unsettled = len(windows.pending)
+    return rows, {**reader.counts, **{k: windows.counts[k] for k in ("interactions", "outcomes")},
+                  "unsettled_at_end": unsettled}

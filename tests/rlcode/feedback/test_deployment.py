@@ -9,7 +9,7 @@ import pytest
 
 from rlcode.feedback import ab, registry
 from rlcode.feedback.deployment import Deployment, DeploymentConfig
-from rlcode.feedback.usage_log import LogReader, UsageWindows
+from rlcode.feedback.usage_log import LogReader, read_log
 from rlcode.train.checkpoint import CheckpointError
 
 M = 12
@@ -42,14 +42,6 @@ def deployment(tmp_path, **kw):
                       str(tmp_path / "usage.jsonl"), template={"q": np.zeros(())})
 
 
-def read_all(path):
-    r = LogReader(path)
-    w = UsageWindows(settle_s=0.0, orphan_s=math.inf)
-    w.add(r.poll())
-    w.watermark = math.inf
-    return w.take(10**9), r
-
-
 def test_registry_publishes_atomically_and_only_newer_versions(tmp_path):
     root = str(tmp_path / "reg")
     assert registry.current(root) is None and registry.history(root) == []
@@ -77,7 +69,7 @@ def test_outcomes_follow_the_users_hidden_preferences(tmp_path, q):
         d.advance()
     d.now += 10**5
     d._deliver(math.inf)
-    rows, _ = read_all(d.writer.path)
+    rows, _ = read_log(d.writer.path)
     assert len(rows) == 2000
     # The acceptance probability of each request, from the users' hidden bar and patience.
     c = d.cfg
@@ -105,10 +97,10 @@ def test_delivery_tears_duplicates_and_reorders_records_and_the_log_survives(tmp
     for _ in range(10):
         d.advance()
     d._deliver(math.inf)  # everything still in flight (a torn record's retry included)
-    rows, r = read_all(d.writer.path)
+    rows, counts = read_log(d.writer.path)
     assert len(rows) == 500  # every interaction arrives despite torn writes (they are re-sent)
-    assert r.counts["torn"] == d.counts["torn"] > 0
-    assert r.counts["duplicates"] == d.counts["duplicated"] > 0
+    assert counts["torn"] == d.counts["torn"] > 0
+    assert counts["duplicates"] == d.counts["duplicated"] > 0
     logged = [rec for rec in LogReader(d.writer.path).poll()]
     by_id = {rec.id: rec for rec in logged}
     early = [rec for rec in logged if rec.__class__.__name__ == "Outcome"
@@ -128,7 +120,7 @@ def test_a_new_release_shares_traffic_with_its_predecessor_and_the_ab_test_sees_
     for _ in range(10):
         d.advance()
     d._deliver(math.inf)
-    rows, _ = read_all(d.writer.path)
+    rows, _ = read_log(d.writer.path)
     versions = [it.version for it, _ in rows]
     assert versions[:300] == [0] * 300
     share = np.mean([v == 4 for v in versions[300:]])

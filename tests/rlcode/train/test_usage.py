@@ -13,7 +13,7 @@ from support.tiny_job import tiny_config
 from rlcode.checks import ConfigError
 from rlcode.feedback import registry
 from rlcode.feedback.deployment import deployment_config
-from rlcode.feedback.usage_log import Interaction, LogWriter, Outcome, outcome_reward
+from rlcode.feedback.usage_log import Interaction, LogWriter, Outcome, outcome_reward, read_log
 from rlcode.train import usage
 from rlcode.train.usage import (UsageConfig, UsageSource, build_rollout, regression_gate, updates_behind,
                                usage_config)
@@ -264,7 +264,7 @@ def test_a_tiny_usage_run_trains_gates_publishes_and_reports(tmp_path, sandbox_p
         data = json.load(f)
     assert data["completed"] and [g["step"] for g in data["gates"]] == [0, 2, 4]
     assert data["log"]["torn"] > 0 and data["log"]["interactions"] >= 32
-    rows, counts = usage_rl.read_log(os.path.join(workdir, "usage.jsonl"), 300.0, b"a key the deployment signs with")
+    rows, counts = read_log(os.path.join(workdir, "usage.jsonl"), 300.0, b"a key the deployment signs with")
     assert counts["unsettled_at_end"] > 0 and len(rows) + counts["unsettled_at_end"] == counts["interactions"]
     served = {it.version for it, _ in rows}
     assert len(data["ab_tests"]) == len(served) - 1
