@@ -145,8 +145,10 @@ def get_config(arg=None):
 
     cfg.sft = sft_config()
     # max_minutes: stop after this many minutes of RL steps (evaluation excluded); 0 = no limit.
+    # shared_prompts: each group's prompt computed once in the train step and the scoring passes
+    # (rlcode.train.loop.use_shared_prompts: where that equals the per-row forward).
     cfg.train = ml_collections.ConfigDict({"steps": 200, "epochs": 1, "minibatches": 1, "microbatches": 1,
-                                           "max_minutes": 0.0})
+                                           "max_minutes": 0.0, "shared_prompts": True})
     cfg.optim = optim_config(lr=3e-4, warmup_steps=10, weight_decay=0.0, grad_clip=1.0)
     cfg.optim.total_steps = cfg.train.get_ref("steps")
     # LoRA adapters (rank 0 = off: every parameter trains); e.g. --config.lora.rank=16.

@@ -179,6 +179,32 @@ class DenseAttention(nnx.Module):
         o = constrain(o, ("batch", "seq", "heads", "head_dim"), self.placement)
         return self.proj.out(o), KVCache(k, v)
 
+    def shared_prefix(self, xp: jax.Array, pp: jax.Array, prefix_lengths: jax.Array, xc: jax.Array,
+                      pc: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Groups of rows that share a prompt, the prompt computed once per group.
+
+        xp [P, Lp, D] prompts at positions pp (right padding; prefix_lengths [P] valid tokens),
+        xc [B, Lc, D] the rows' own tokens at positions pc, B = P * G (rows b*G..b*G+G-1 share
+        prompt b). A prompt attends causally within itself; a row's token attends to its prompt's
+        valid tokens and causally to its own. Equals the causal attention of each row laid out as
+        prompt + own tokens (`Transformer.forward_shared`). Returns (yp, yc)."""
+        qp, kp, vp = self.proj.qkv(xp, pp)
+        qc, kc, vc = self.proj.qkv(xc, pc)
+        P, Lp = xp.shape[:2]
+        B, Lc = xc.shape[:2]
+        G = B // P
+        lengths = jnp.maximum(prefix_lengths.astype(jnp.int32), 1)
+        op = jax.nn.dot_product_attention(qp, kp, vp, is_causal=True, key_value_seq_lengths=lengths)
+        k = jnp.concatenate([jnp.repeat(kp, G, axis=0), kc], axis=1)  # the prompt's gradients sum over its rows
+        v = jnp.concatenate([jnp.repeat(vp, G, axis=0), vc], axis=1)
+        prompt_valid = jnp.arange(Lp)[None, :] < jnp.repeat(lengths, G)[:, None]  # [B, Lp]
+        mask = jnp.concatenate([jnp.broadcast_to(prompt_valid[:, None, :], (B, Lc, Lp)),
+                                jnp.broadcast_to(jnp.tril(jnp.ones((Lc, Lc), bool))[None], (B, Lc, Lc))], axis=2)
+        oc = jax.nn.dot_product_attention(qc, k, v, mask=mask[:, None])
+        op = constrain(op, ("batch", "seq", "heads", "head_dim"), self.placement)
+        oc = constrain(oc, ("batch", "seq", "heads", "head_dim"), self.placement)
+        return self.proj.out(op), self.proj.out(oc)
+
     def attend_context(
         self, x_btd: jax.Array, positions_bt: jax.Array, context: KVCache, context_valid: jax.Array
     ) -> tuple[jax.Array, KVCache]:

@@ -175,6 +175,15 @@ class Block(nnx.Module):
         y, kv = self.attn.attend_context(self.attn_norm(x), positions, context, context_valid)
         return self._mlp(x, y) + (kv,)
 
+    def shared(self, xp, pp, prefix_lengths, xc, pc):
+        """Prompts shared by groups of rows and the rows' own tokens (`Transformer.forward_shared`)."""
+        if not hasattr(self.attn, "shared_prefix"):
+            raise ValueError(f"attention.kind={self.attn.cfg.attention['kind']!r} has no shared-prompt forward")
+        yp, yc = self.attn.shared_prefix(self.attn_norm(xp), pp, prefix_lengths, self.attn_norm(xc), pc)
+        xp, aux_p = self._mlp(xp, yp)
+        xc, aux_c = self._mlp(xc, yc)
+        return xp, xc, aux_p, aux_c
+
     def _mlp(self, x, y):
         x = constrain(x + y, ("batch", "seq", "embed"), self.placement)
         y, aux = self.mlp(self.mlp_norm(x))
@@ -267,6 +276,37 @@ class Transformer(nnx.Module):
         layers = iter(context)
         return self._run_blocks(x, lambda block, x: block.with_context(x, positions_bt, next(layers), context_valid), return_kv)
 
+    def forward_shared(self, prompts: jax.Array, prompt_lengths: jax.Array, tokens: jax.Array,
+                       positions: jax.Array) -> tuple[ModelOutput, ModelOutput]:
+        """Rows that share prompts, each prompt computed once: the training forward of a GRPO group.
+
+        prompts [P, Lp] at positions 0..Lp-1 (right padding; prompt_lengths [P] valid tokens);
+        tokens [B, Lc] the rows' own tokens (B = P * G, rows g*G..g*G+G-1 continue prompt g) at
+        `positions` [B, Lc] (a row's token t usually at prompt_lengths[g] + t). Equals the causal
+        forward of each row laid out as its prompt's valid tokens then its own (same positions)
+        at every valid position, with G times fewer prompt tokens; gradients reach the prompt's
+        activations from all its rows. Returns (prompt output [P, Lp], rows' output [B, Lc]).
+        Dense or squid attention (without documents) and a dense MLP only
+        (`supports_shared_prompts`): elsewhere a row's result would depend on the layout."""
+        if not supports_shared_prompts(self.cfg):
+            raise ValueError(f"forward_shared needs dense or squid attention and a dense MLP, not attention.kind="
+                             f"{self.cfg.attention['kind']!r}, mlp.kind={self.cfg.mlp['kind']!r}")
+        if prompts.ndim != 2 or tokens.ndim != 2 or tokens.shape[0] % prompts.shape[0]:
+            raise ValueError(f"prompts [P, Lp] and tokens [B, Lc] with B a multiple of P, got {prompts.shape}, "
+                             f"{tokens.shape}")
+        P, Lp = prompts.shape
+        pp = jnp.broadcast_to(jnp.arange(Lp), (P, Lp))
+        xp = constrain(self._embed(prompts), ("batch", "seq", "embed"), self.placement)
+        xc = constrain(self._embed(tokens), ("batch", "seq", "embed"), self.placement)
+        aux_p, aux_c = {}, {}
+        for block in self.blocks():
+            xp, xc, ap, ac = block.shared(xp, pp, prompt_lengths, xc, positions)
+            for total, part in ((aux_p, ap), (aux_c, ac)):
+                for name, value in part.items():
+                    total[name] = total.get(name, 0.0) + value
+        hp, hc = self.final_norm(xp), self.final_norm(xc)
+        return ModelOutput(hp, self._value(hp), aux_p, None), ModelOutput(hc, self._value(hc), aux_c, None)
+
     def _run_blocks(self, x, apply, return_kv):
         kvs, aux = [], {}
         for i, block in enumerate(self.blocks()):
@@ -299,6 +339,13 @@ class Transformer(nnx.Module):
     def init_suffix_cache(self, batch: int, max_len: int) -> list[Any]:
         """Each layer's empty cache for `max_len` generated tokens (its structure is the kind's)."""
         return [block.attn.init_suffix_cache(batch, max_len) for block in self.blocks()]
+
+
+def supports_shared_prompts(cfg: Any) -> bool:
+    """Whether `Transformer.forward_shared` equals the per-row forward for this model config:
+    dense or squid attention (rows carry no documents) and a dense MLP (a mixture of experts
+    routes, drops and balances over the tokens of a batch, so its result depends on the layout)."""
+    return cfg.attention["kind"] in ("dense", "squid") and cfg.mlp["kind"] == "dense"
 
 
 def init_model(config: Any, seed: int = 0) -> Transformer:

@@ -66,7 +66,7 @@ from rlcode.train import sft as sft_lib
 from rlcode.train.checkpoint import Checkpointer, save_params
 from rlcode.train.metrics import EventWriter
 from rlcode.train.progress import Progress
-from rlcode.train.step import init_train_state, make_optimizer, make_train_step, state_shardings
+from rlcode.train.step import PROMPT_KEYS, init_train_state, make_optimizer, make_train_step, state_shardings
 from rlcode.train.workdir import PARAMS_DIR, prepare_workdir
 
 
@@ -251,7 +251,7 @@ def split_groups(batch: dict[str, jax.Array], num: int, group_size: int, rng: np
     out = []
     for gs in groups:
         rows = (gs[:, None] * group_size + np.arange(group_size)[None, :]).reshape(-1)
-        out.append({k: v[rows] for k, v in batch.items()})
+        out.append({k: v[gs] if k in PROMPT_KEYS else v[rows] for k, v in batch.items()})
     return out
 
 

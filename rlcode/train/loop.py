@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from rlcode.models.transformer import supports_shared_prompts
 
 from rlcode import advantages as adv_lib
 from rlcode import losses
@@ -61,7 +62,7 @@ from rlcode.feedback.monitor import MONITOR_ACTIONS, MonitorConfig, Overoptimiza
 from rlcode.train.rollout import (EncodedTasks, Grader, Rollout, RolloutCollector, RolloutConfig, encode_tasks,
                                   trim_batch)
 from rlcode.train.schema import MAX_SANDBOX_WORKERS, SEED, check_common, check_schema, mesh_sizes
-from rlcode.train.step import make_logprob_fn, with_score_index
+from rlcode.train.step import make_logprob_fn, with_score_index, with_shared_prompts
 
 
 # ------------------------------------------------------------------------------ validation
@@ -84,7 +85,7 @@ SYNTH_SECTIONS = {
     "monitor": schema_from_defaults(monitor_config(), MonitorConfig.SPECS),
     "behaviour": schema_from_defaults(behaviour_config(), BehaviourConfig.SPECS),
     "train": {"steps": integer(1), "epochs": integer(1), "minibatches": integer(1), "microbatches": integer(1),
-              "max_minutes": real(0, required=False)},
+              "max_minutes": real(0, required=False), "shared_prompts": flag(required=False)},
     "eval": {"every": integer(0), "num_samples": integer(1), "ks": sequence(integer(1), min_len=1),
              "prompts_per_batch": integer(1), "at_start": flag(), "at_end": flag()},
     "log": {"text_every": integer(0), "num_texts": integer(0)},
@@ -114,6 +115,10 @@ def validate_config(cfg: Any, num_devices: int | None = None,
     rows = P * G // cfg.train.minibatches
     if rows % cfg.train.microbatches:
         raise ConfigError(f"a minibatch of {rows} rows is not divisible by train.microbatches={cfg.train.microbatches}")
+    if use_shared_prompts(cfg) and (P // cfg.train.minibatches) % cfg.train.microbatches:
+        raise ConfigError(f"with train.shared_prompts a micro-batch holds whole groups: the {P // cfg.train.minibatches} "
+                          f"groups of a minibatch are not divisible by train.microbatches={cfg.train.microbatches} "
+                          "(or set train.shared_prompts=False)")
     reward = SynthRewardConfig.from_config(cfg.reward)
     if reward.source == "reward_model" and not os.path.isdir(reward.reward_model):
         raise ConfigError(f"reward.reward_model={reward.reward_model!r}: no such directory")
@@ -196,8 +201,18 @@ def build_tasks(cfg: Any, tokenizer: ByteTokenizer) -> tuple[EncodedTasks, Encod
 # ------------------------------------------------------------------------------ batches
 
 
+def use_shared_prompts(cfg: Any) -> bool:
+    """Whether the job's train batches compute each group's prompt once (``train.shared_prompts``,
+    default True): where that forward equals the per-row one (`supports_shared_prompts`: dense or
+    squid attention, a dense MLP), without a value head (values are read at every position) and
+    with groups of more than one row."""
+    return (bool(cfg.train.get("shared_prompts", True)) and supports_shared_prompts(cfg.model)
+            and not cfg.model.get("value_head", False) and cfg.rollout.group_size > 1)
+
+
 def make_prepare_fn(objective: losses.ObjectiveConfig, adv_cfg: adv_lib.AdvantageConfig, sampling: SamplingConfig,
-                    graphdef: Any, group_size: int, pad_id: int, trim_multiple: int = 32) -> Callable:
+                    graphdef: Any, group_size: int, pad_id: int, trim_multiple: int = 32, *,
+                    shared_prompts: bool = False, on_policy: bool = False) -> Callable:
     """fn(params, ref_params, rollout, kl_coef=None) -> train batch: the training layout (time axis
     trimmed, see `trim_batch`), old log-probs and values under `params`, reference log-probs when
     `ref_params` is given, rewards with the KL penalty when it is a reward term (coefficient
@@ -207,27 +222,40 @@ def make_prepare_fn(objective: losses.ObjectiveConfig, adv_cfg: adv_lib.Advantag
     With reference parameters the batch also carries ``kl_from_start`` [B]: each row's summed
     log-ratio log pi(y|x) - log pi_ref(y|x) over its sampled tokens (under the parameters the
     rollout is scored with), whose mean over rows sampled from pi estimates KL(pi || pi_ref) per
-    sequence; the job logs it and takes it out before training."""
+    sequence; the job logs it and takes it out before training.
+
+    shared_prompts: lay the batch out for the shared-prompt forward (`with_shared_prompts`: each
+    group's prompt computed once in every pass; needs `supports_shared_prompts` and no value head).
+    on_policy: the batch gets exactly one optimizer update from `params` (train.epochs =
+    train.minibatches = 1), so the old log-probs are the train step's own and their pass is
+    skipped (no ``old_logp``; kept when the KL is a reward term or values are needed, which read
+    them before training); ``kl_from_start`` then comes from the train step (its
+    ``kl_from_start_sum`` / ``kl_from_start_rows`` metrics)."""
     opts = dict(temperature=sampling.temperature, top_k=sampling.top_k or None, top_p=sampling.top_p)
     logprob = make_logprob_fn(graphdef, **opts)
     kl_in_reward = objective.kl_penalty == "reward"
     needs_values = adv_cfg.estimator == "gae" or objective.value_coef > 0
+    skip_old = on_policy and not kl_in_reward and not needs_values
 
     @jax.jit
     def scores(params, ref_params, batch, rewards, valid, kl_coef):
         mask = batch["mask"]
-        old_logp, values = logprob(params, batch)
-        old_logp = jnp.where(mask, old_logp, 0.0)
+        old_logp = values = None
+        if not skip_old:
+            old_logp, values = logprob(params, batch)
+            old_logp = jnp.where(mask, old_logp, 0.0)
+            batch["old_logp"] = old_logp
         if ref_params is not None:
             ref_logp, _ = logprob(ref_params, batch)
             ref_logp = jnp.where(mask, ref_logp, 0.0)
             batch["ref_logp"] = ref_logp
-            batch["kl_from_start"] = jnp.sum(old_logp - ref_logp, axis=-1)
+            if old_logp is not None:
+                batch["kl_from_start"] = jnp.sum(old_logp - ref_logp, axis=-1)
             if kl_in_reward:
                 rewards = losses.kl_reward_penalty(rewards, old_logp, ref_logp, mask, kl_coef)
         advantages, returns = adv_lib.compute_advantages(adv_cfg, rewards, mask, group_size,
                                                          values=values if needs_values else None, valid=valid)
-        batch = dict(batch, advantages=advantages, old_logp=old_logp)
+        batch = dict(batch, advantages=advantages)
         if needs_values:
             batch.update(old_values=jnp.where(mask, values, 0.0), returns=returns)
         return batch
@@ -243,7 +271,10 @@ def make_prepare_fn(objective: losses.ObjectiveConfig, adv_cfg: adv_lib.Advantag
         batch = {"inputs": tb.inputs, "targets": tb.targets, "positions": tb.positions,
                  "mask": tb.mask & valid[:, None], "kv_lengths": tb.kv_lengths, "behavior_logp": tb.behavior_logp}
         batch = trim_batch(batch, int(np.max(r.prompt_lengths.repeat(group_size) + r.lengths)) - 1, trim_multiple)
-        batch = with_score_index(batch)  # the prompts' positions are not scored
+        if shared_prompts:  # each group's prompt once
+            batch = with_shared_prompts(batch, r.prompts, r.prompt_lengths, r.tokens, trim_multiple)
+        else:
+            batch = with_score_index(batch)  # the prompts' positions are not scored
         return scores(params, ref_params, batch, jnp.asarray(r.rewards), valid, jnp.float32(coef))
 
     return prepare
@@ -440,24 +471,33 @@ def plan(ctx: Context, tasks: tuple) -> Plan:
             parts.append(f"reward={r.rewards[i]:.2f}\n\n```\n{r.texts[i]}\n```")
         return {"rollout/samples": "\n\n".join(parts)}
 
-    make_batch = make_prepare_fn(objective, advantage, options, ctx.graphdef, G, tok.pad_id, rollout.trim_multiple)
+    make_batch = make_prepare_fn(objective, advantage, options, ctx.graphdef, G, tok.pad_id, rollout.trim_multiple,
+                                 shared_prompts=use_shared_prompts(cfg), on_policy=cfg.train.epochs * cfg.train.minibatches == 1)
     kl_logged: dict[str, float] = {}
 
     def prepare(params, ref_params, r: Rollout) -> dict:
         batch = make_batch(params, ref_params, r, kl_coef=ctx.objective.kl_coef)
         kl = batch.pop("kl_from_start", None)
         kl_logged.clear()
+        if ref_params is not None:
+            kl_logged["rollout/kl_coef"] = float(ctx.objective.kl_coef)
         if kl is not None:
-            kl_logged.update({"rollout/kl_from_start": float(np.asarray(kl)[r.valid].mean()) if r.valid.any() else 0.0,
-                              "rollout/kl_coef": float(ctx.objective.kl_coef)})
+            kl_logged["rollout/kl_from_start"] = float(np.asarray(kl)[r.valid].mean()) if r.valid.any() else 0.0
         return batch
+
+    def derived(scalars: dict) -> dict:
+        out = dict(kl_logged)
+        total, rows = scalars.pop("train/kl_from_start_sum", None), scalars.pop("train/kl_from_start_rows", None)
+        if total is not None:  # the old log-probs' pass was skipped: the train step measured it
+            out["rollout/kl_from_start"] = total / rows if rows else 0.0
+        return out
 
     def control(step: int, scalars: dict) -> dict | None:
         acted = monitor.act(step) if monitor is not None else None
         return behaviour.control(step) or acted
 
     return Plan(collect=collect, prepare=prepare, evaluate=run_eval, metrics=metrics, progress=progress, texts=texts,
-                derived=lambda scalars: dict(kl_logged), control=control)
+                derived=derived, control=control)
 
 
 class Monitoring:

@@ -8,10 +8,14 @@ AdamW. It is jitted once with the state's shardings, the batch sharded over the 
 the state donated.
 
 Batch keys (all [B, T] unless noted): inputs, targets, positions, mask, kv_lengths [B],
-advantages ([B] or [B, T]), old_logp; optional behavior_logp (IS correction), ref_logp (KL),
-old_values and returns (PPO value loss), segment_ids and is_global (packed documents under squid
-attention, `rlcode.models.attention.AttentionMask`), score_index [B, K] (`with_score_index`: the
-log-probs, and the unembedding with them, are computed at those positions only).
+advantages ([B] or [B, T]); optional old_logp (the policy the batch was scored with; absent: the
+parameters being trained, i.e. this forward's own log-probs without their gradient, exact when
+the batch gets one optimizer update and no other pass needs them: `make_prepare_fn` of the
+synthesis job then skips that pass), behavior_logp (IS correction), ref_logp (KL), old_values and
+returns (PPO value loss), segment_ids and is_global (packed documents under squid attention,
+`rlcode.models.attention.AttentionMask`), score_index [B, K] (`with_score_index`: the log-probs,
+and the unembedding with them, are computed at those positions only), prompts, prompt_lengths
+and completions (`with_shared_prompts`: each group's prompt is computed once).
 """
 
 from __future__ import annotations
@@ -35,9 +39,9 @@ from rlcode.models.logprobs import token_logprobs
 from rlcode.models.transformer import logical_axes
 from rlcode.sharding import DEFAULT_RULES, Rules, named_shardings, place, put
 
-BATCH_KEYS = ("inputs", "targets", "positions", "mask", "kv_lengths", "advantages", "old_logp")
-OPTIONAL_BATCH_KEYS = ("behavior_logp", "ref_logp", "old_values", "returns", "segment_ids", "is_global",
-                       "score_index")
+BATCH_KEYS = ("inputs", "targets", "positions", "mask", "kv_lengths", "advantages")
+OPTIONAL_BATCH_KEYS = ("old_logp", "behavior_logp", "ref_logp", "old_values", "returns", "segment_ids", "is_global",
+                       "score_index", "prompts", "prompt_lengths", "completions")
 SCORE_MIN = 64  # score_index widths are powers of two from this (few shapes to compile)
 
 
@@ -164,7 +168,7 @@ def with_score_index(batch: dict, minimum: int = SCORE_MIN, max_fraction: float 
         return batch
     mask = np.asarray(batch["mask"], bool)
     B, T = mask.shape
-    K = max(minimum, 1 << (max(int(mask.sum(1).max(initial=0)), 1) - 1).bit_length())
+    K = min(T, max(minimum, 1 << (max(int(mask.sum(1).max(initial=0)), 1) - 1).bit_length()))
     if K > max_fraction * T:
         return batch
     order = np.argsort(~mask, axis=1, kind="stable")[:, :K]  # masked positions first, in order
@@ -172,16 +176,89 @@ def with_score_index(batch: dict, minimum: int = SCORE_MIN, max_fraction: float 
     return dict(batch, score_index=jnp.asarray(index))
 
 
+def with_shared_prompts(batch: dict, prompts, prompt_lengths, completions, multiple: int = 16) -> dict:
+    """`batch` (rows laid out prompt + completion, `rlcode.sampling.to_training_batch`, G rows per
+    prompt) plus the keys of the shared-prompt forward (`rlcode.models.transformer.Transformer.
+    forward_shared`): ``prompts`` [P, Lp] and ``prompt_lengths`` [P] once per group, and each row's
+    ``completions`` [B, Lc] (its sampled tokens: row position prompt_length + t holds token t),
+    Lp and Lc cut to the longest prompt and what the loss positions read, rounded up to
+    `multiple` (so a run compiles few shapes). The log-probs then come from
+    a forward over P prompts and B completions instead of B prompts + completions; they are equal.
+    Also adds ``score_index`` (`with_score_index`), which this forward needs."""
+    batch = with_score_index(batch, max_fraction=float("inf"))
+    prompt_lengths = np.asarray(prompt_lengths, np.int32)
+    prompts, completions = np.asarray(prompts), np.asarray(completions)
+    B, P = completions.shape[0], prompts.shape[0]
+    if B % P or B != batch["inputs"].shape[0]:
+        raise ValueError(f"{B} completion rows for {P} prompts and a batch of {batch['inputs'].shape[0]} rows")
+    rows_p = np.repeat(prompt_lengths, B // P)
+    Lp = int(prompt_lengths.max(initial=1))
+    inputs = np.asarray(batch["inputs"])[:, :Lp]
+    in_prompt = np.arange(inputs.shape[1])[None, :] < rows_p[:, None]
+    if not np.array_equal(np.where(in_prompt, inputs, 0), np.where(in_prompt, np.repeat(prompts[:, :inputs.shape[1]], B // P, 0), 0)):
+        raise ValueError(f"the batch's rows do not start with their group's prompt ({P} groups of {B // P} rows)")
+    index = np.asarray(batch["score_index"])
+    last = np.where(index >= 0, index - rows_p[:, None], -1).max(initial=-1)  # own positions the loss reads
+    Lc = min(completions.shape[1], max(multiple, -(-(last + 1) // multiple) * multiple))
+    Lp = min(prompts.shape[1], -(-Lp // multiple) * multiple)  # rounded too: few shapes to compile
+    return dict(batch, prompts=jnp.asarray(prompts[:, :Lp]), prompt_lengths=jnp.asarray(prompt_lengths),
+                completions=jnp.asarray(completions[:, :Lc]))
+
+
+def _shared_hidden(model, mb):
+    """The hidden states at ``score_index`` from the shared-prompt forward: a row's first loss
+    position reads its prompt's last token (the prompt's stream), later ones its own tokens."""
+    prompts, lengths, own = mb["prompts"], mb["prompt_lengths"], mb["completions"]
+    B, Lc = own.shape
+    G = B // prompts.shape[0]
+    p = jnp.repeat(lengths.astype(jnp.int32), G)[:, None]  # [B, 1]
+    out_p, out_c = model.forward_shared(prompts, lengths, own, p + jnp.arange(Lc)[None, :])
+    at = jnp.maximum(mb["score_index"], 0)
+    in_prompt = at < p
+    group = (jnp.arange(B) // G)[:, None]
+    from_prompt = out_p.hidden[group, jnp.minimum(at, prompts.shape[1] - 1)]
+    from_own = jnp.take_along_axis(out_c.hidden, jnp.clip(at - p, 0, Lc - 1)[..., None], axis=1)
+    hidden = jnp.where(in_prompt[..., None], from_prompt, from_own)
+    aux = {k: out_p.aux.get(k, 0.0) + out_c.aux.get(k, 0.0) for k in {*out_p.aux, *out_c.aux}}
+    return hidden, aux
+
+
+PROMPT_KEYS = ("prompts", "prompt_lengths")  # one row per group of a shared-prompt batch
+
+
+def split_microbatches(batch: dict, num: int) -> dict:
+    """Stack `num` strided micro-batches of `batch` on a new leading axis: rows i, i+num, ...; a
+    shared-prompt batch (`with_shared_prompts`) is split by whole groups (groups i, i+num, ...),
+    its prompts with them."""
+    B = batch["inputs"].shape[0]
+    if "prompts" not in batch:
+        return jax.tree.map(lambda x: jnp.swapaxes(x.reshape(B // num, num, *x.shape[1:]), 0, 1), batch)
+    P = batch["prompts"].shape[0]
+    if P % num:
+        raise ValueError(f"{P} prompt groups are not divisible by microbatches={num}")
+    G = B // P
+    split = lambda x, rows: jnp.swapaxes(x.reshape(P // num, num, rows, *x.shape[1:]), 0, 1).reshape(
+        num, (P // num) * rows, *x.shape[1:])
+    return {k: split(v, 1 if k in PROMPT_KEYS else G) for k, v in batch.items()}
+
+
 def _forward_logprobs(graphdef, params, mb, sampling_options, need_entropy):
     model = nnx.merge(graphdef, params)
-    mask = AttentionMask(kv_lengths=mb["kv_lengths"], segment_ids=mb.get("segment_ids"), is_global=mb.get("is_global"))
-    out = model(mb["inputs"], mb["positions"], mask)
     w, layout = model.unembedding()
-    hidden, targets, index = out.hidden, mb["targets"], mb.get("score_index")
-    if index is not None:  # only the scored positions reach the unembedding (`with_score_index`)
-        at = jnp.maximum(index, 0)
-        hidden = jnp.take_along_axis(hidden, at[..., None], axis=1)
-        targets = jnp.take_along_axis(targets, at, axis=1)
+    targets, index = mb["targets"], mb.get("score_index")
+    if "prompts" in mb:  # prompts once per group (`with_shared_prompts`)
+        hidden, aux = _shared_hidden(model, mb)
+        values = None
+        targets = jnp.take_along_axis(targets, jnp.maximum(index, 0), axis=1)
+    else:
+        mask = AttentionMask(kv_lengths=mb["kv_lengths"], segment_ids=mb.get("segment_ids"),
+                             is_global=mb.get("is_global"))
+        out = model(mb["inputs"], mb["positions"], mask)
+        hidden, values, aux = out.hidden, out.values, out.aux
+        if index is not None:  # only the scored positions reach the unembedding (`with_score_index`)
+            at = jnp.maximum(index, 0)
+            hidden = jnp.take_along_axis(hidden, at[..., None], axis=1)
+            targets = jnp.take_along_axis(targets, at, axis=1)
     res = token_logprobs(hidden, w, targets, **sampling_options, unembed_layout=layout,
                          return_entropy=need_entropy)
     logp, entropy = res if need_entropy else (res, None)
@@ -190,7 +267,7 @@ def _forward_logprobs(graphdef, params, mb, sampling_options, need_entropy):
             jnp.arange(x.shape[0])[:, None], jnp.maximum(index, 0)].add(jnp.where(index >= 0, x, 0))
         logp = scatter(logp)
         entropy = None if entropy is None else scatter(entropy)
-    return logp, entropy, out.values, out.aux
+    return logp, entropy, values, aux
 
 
 def make_logprob_fn(
@@ -255,11 +332,21 @@ def make_train_step(
 
     def terms_fn(params, mb):
         logp, entropy, values, aux = _forward_logprobs(graphdef, params, mb, options, need_entropy)
+        old_logp = mb.get("old_logp")
+        own = jax.lax.stop_gradient(jnp.where(mb["mask"], logp, 0.0))
+        if old_logp is None:  # scored by the parameters being trained: their own log-probs
+            old_logp = own
         num, den, metrics = losses.objective_terms(
-            objective, logp, mb["old_logp"], mb["advantages"], mb["mask"],
+            objective, logp, old_logp, mb["advantages"], mb["mask"],
             behavior_logp=mb.get("behavior_logp"), ref_logp=mb.get("ref_logp"), entropy=entropy,
             values=values if "returns" in mb else None, old_values=mb.get("old_values"), returns=mb.get("returns"),
         )
+        if "old_logp" not in mb and "ref_logp" in mb:
+            # The summed log-ratio to the reference per row, as a sum over the rows with loss
+            # positions and their count (means over micro-batches divide exactly).
+            rows = jnp.any(mb["mask"], axis=-1)
+            metrics["kl_from_start_sum"] = jnp.sum(jnp.where(rows, jnp.sum(own - mb["ref_logp"], axis=-1), 0.0))
+            metrics["kl_from_start_rows"] = jnp.sum(rows).astype(jnp.float32)
         for name, value in aux.items():
             # Auxiliary (MoE) losses are means over the micro-batch; weight them like the tokens.
             # Other aux entries (load fractions, drop rates) are metrics only.
@@ -291,7 +378,7 @@ def make_train_step(
         B = batch["inputs"].shape[0]
         if B % microbatches:
             raise ValueError(f"batch size {B} is not divisible by microbatches={microbatches}")
-        mbs = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(B // microbatches, microbatches, *x.shape[1:]), 0, 1), batch)
+        mbs = split_microbatches(batch, microbatches)
         loss, grads, metrics = gradients(state.params, mbs)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
