@@ -395,11 +395,16 @@ def make_train_step(
         return jax.jit(step_fn, donate_argnums=0)
 
     data = batch_sharding(mesh, rules)
-    jitted = jax.jit(step_fn, in_shardings=(shardings, data), out_shardings=(shardings, None), donate_argnums=0)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    jitted = jax.jit(step_fn, in_shardings=(shardings, None), out_shardings=(shardings, None), donate_argnums=0)
+    shards = int(np.prod([mesh.shape[a] for a in (data.spec[0] or ())]))
 
     def sharded_step(state, batch):
         # A batch computed on the mesh by another jitted function (old log-probs, advantages) is
         # committed to that function's output sharding; jit does not reshard committed inputs.
-        return jitted(state, jax.device_put(batch, data))
+        # Rows are split over the data axes; a shared-prompt batch's prompts with their rows when
+        # they divide evenly, else replicated.
+        where = {k: (data if k not in PROMPT_KEYS or v.shape[0] % shards == 0 else replicated) for k, v in batch.items()}
+        return jitted(state, jax.device_put(batch, where))
 
     return sharded_step

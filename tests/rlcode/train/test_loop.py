@@ -251,16 +251,16 @@ def test_nonfinite_loss_stops_with_statistics_and_keeps_checkpoints(tmp_path, po
 
     def poison(step, batch):
         if step == 1:
-            batch = dict(batch, old_logp=batch["old_logp"].at[0, :].set(jnp.nan))
+            batch = dict(batch, behavior_logp=batch["behavior_logp"].at[0, :].set(jnp.nan))
         return batch
 
     with pytest.raises(engine.NonFiniteLossError) as err:
         loop.run(cfg, pool=pool, hooks={"batch": poison})
     msg = str(err.value)
-    assert "non-finite loss at step 1" in msg and "old_logp" in msg and '"nonfinite"' in msg
+    assert "non-finite loss at step 1" in msg and "behavior_logp" in msg and '"nonfinite"' in msg
     assert "last good checkpoint: step 1" in msg
     saved = np.load(tmp_path / "nonfinite_batch_step1.npz")
-    assert np.isnan(saved["old_logp"]).any()
+    assert np.isnan(saved["behavior_logp"]).any()
     ckpt = Checkpointer(tmp_path / "checkpoints", read_only=True)
     assert ckpt.all_steps() == [1]
     state, extra = ckpt.restore()
