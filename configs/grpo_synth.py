@@ -32,7 +32,7 @@ e.g. `--config=configs/grpo_synth.py:loss=dapo,attention=nsa`. Any field can the
 
 `resume=True` continues the run in `workdir` and refuses a config that differs from its saved
 config.json, naming each changed field, except train.steps (extend the run), train.max_minutes, sandbox.workers,
-checkpoint.every / keep, workdir and sft.cache_dir; `resume_override=True` accepts the changes
+checkpoint.every / keep, workdir, sft.cache_dir and train.shared_prompts; `resume_override=True` accepts the changes
 (the old config is kept in config_history/).
 """
 

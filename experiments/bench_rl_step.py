@@ -31,9 +31,6 @@ Prints a table and writes JSON to `--out` (a run directory by default).
 
 from __future__ import annotations
 
-import json
-import os
-import platform
 import statistics
 import time
 
@@ -42,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from experiments import bench_util
 from experiments import train as train_cli
 from rlcode import advantages as adv_lib
 from rlcode import losses, sampling
@@ -182,8 +180,10 @@ def main(cfg):
         lp = np.asarray(logprob(state0.params, batch)[0])
         if reference is None:
             reference = (lp, float(metrics["loss"]), np.asarray(batch["mask"]))
-        m = reference[2]
-        diff = float(np.abs(lp[m] - reference[0][m]).max())
+        m = reference[2]  # the per-row batch's time axis is trimmed, the shared one's is whole
+        if np.asarray(batch["mask"])[:, m.shape[1]:].any():
+            raise AssertionError(f"{name}: loss positions beyond the per-row batch's time axis")
+        diff = float(np.abs(lp[:, :m.shape[1]][m] - reference[0][m]).max())
         print(f"{name}: max |logp - per_row| {diff:.2e}, loss {float(metrics['loss']):.6e} "
               f"(per_row {reference[1]:.6e})")
         passes = (0 if "old_logp" not in batch else 1) + (ref_params is not None)
@@ -234,12 +234,8 @@ def main(cfg):
     out = {"config": flags.FLAGS["config"].config_filename, "prompts": P, "group": G, "prompt_len": Lp,
            "new_tokens": M, "repeats": repeats, "matmul_flops_per_s": peak, "results": rows,
            "params": int(sum(x.size for x in jax.tree.leaves(state0.params))),
-           "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "backend": jax.default_backend(),
-                       "jax": jax.__version__}}
-    os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
-    with open(_OUT.value, "w") as f:
-        json.dump(out, f, indent=1)
-    print(f"wrote {_OUT.value}")
+           "machine": bench_util.machine_info()}
+    bench_util.write_json(_OUT.value, out)
 
 
 if __name__ == "__main__":

@@ -19,9 +19,6 @@ JSON to `--out` (a run directory by default).
 
 from __future__ import annotations
 
-import json
-import os
-import platform
 import statistics
 import time
 
@@ -30,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from experiments import bench_util
 from experiments import train as train_cli
 from rlcode import losses
 from rlcode.models import hf
@@ -114,11 +112,8 @@ def main(cfg):
     out = {"config": flags.FLAGS["config"].config_filename, "rows": rows, "length": length, "loss_positions": int(m.sum()),
            "score_index_width": K, "repeats": repeats, "max_logp_diff": logp_diff, "loss": losses_,
            "results": rows_out, "params": int(sum(x.size for x in jax.tree.leaves(state0.params))),
-           "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "backend": jax.default_backend()}}
-    os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
-    with open(_OUT.value, "w") as f:
-        json.dump(out, f, indent=1)
-    print(f"wrote {_OUT.value}")
+           "machine": bench_util.machine_info()}
+    bench_util.write_json(_OUT.value, out)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+import platform
 import statistics
 import time
 
@@ -77,3 +80,17 @@ def time_round_robin(entries, repeats: int, min_round_s: float = 0.02) -> None:
             ts.append((time.perf_counter() - t0) / n)
     for (row, _, _), n, ts in zip(entries, counts, times):
         row.update(median_s=statistics.median(ts), min_s=min(ts), times_s=ts, calls_per_round=n)
+
+
+def machine_info() -> dict:
+    """What a benchmark's numbers were measured on."""
+    return {"cpus": os.cpu_count(), "platform": platform.platform(), "backend": jax.default_backend(),
+            "jax": jax.__version__}
+
+
+def write_json(path: str, result: dict) -> None:
+    """Write a benchmark's result (its directory created) and say where."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {path}")

@@ -270,10 +270,10 @@ def make_prepare_fn(objective: losses.ObjectiveConfig, adv_cfg: adv_lib.Advantag
         valid = jnp.asarray(r.valid)
         batch = {"inputs": tb.inputs, "targets": tb.targets, "positions": tb.positions,
                  "mask": tb.mask & valid[:, None], "kv_lengths": tb.kv_lengths, "behavior_logp": tb.behavior_logp}
-        batch = trim_batch(batch, int(np.max(r.prompt_lengths.repeat(group_size) + r.lengths)) - 1, trim_multiple)
-        if shared_prompts:  # each group's prompt once
+        if shared_prompts:  # each group's prompt once; the time axis stays whole (shapes follow the completions)
             batch = with_shared_prompts(batch, r.prompts, r.prompt_lengths, r.tokens, trim_multiple)
         else:
+            batch = trim_batch(batch, int(np.max(r.prompt_lengths.repeat(group_size) + r.lengths)) - 1, trim_multiple)
             batch = with_score_index(batch)  # the prompts' positions are not scored
         return scores(params, ref_params, batch, jnp.asarray(r.rewards), valid, jnp.float32(coef))
 

@@ -156,23 +156,30 @@ def state_shardings(state: TrainState) -> Any:
     return jax.tree.map(lambda x: x.sharding, state)
 
 
-def with_score_index(batch: dict, minimum: int = SCORE_MIN, max_fraction: float = 0.75) -> dict:
+def with_score_index(batch: dict, minimum: int = SCORE_MIN, max_fraction: float = 0.75,
+                     width: int | None = None) -> dict:
     """`batch` plus ``score_index`` [B, K]: in each row, the positions where ``mask`` is set, in
     order, then -1 (K = the largest count rounded up to a power of two, at least `minimum`, so
     a run compiles few shapes). Log-probs are then computed
     only there: the loss uses no other position, and the unembedding with its softmax over the
     vocabulary is the costliest part of scoring a token. Positions outside the mask get log-prob
     0 (as the losses mask them anyway). Returned unchanged where K would exceed `max_fraction`
-    of the time axis (little to save), or where it is already there."""
+    of the time axis (little to save), or where it is already there. `width`: K itself (at least
+    the largest count)."""
     if "score_index" in batch:
         return batch
     mask = np.asarray(batch["mask"], bool)
     B, T = mask.shape
-    K = min(T, max(minimum, 1 << (max(int(mask.sum(1).max(initial=0)), 1) - 1).bit_length()))
+    most = int(mask.sum(1).max(initial=0))
+    K = min(T, max(minimum, 1 << (max(most, 1) - 1).bit_length())) if width is None else int(width)
+    if K < most:
+        raise ValueError(f"score_index width {K} < {most} loss positions in a row")
     if K > max_fraction * T:
         return batch
     order = np.argsort(~mask, axis=1, kind="stable")[:, :K]  # masked positions first, in order
     index = np.where(np.take_along_axis(mask, order, axis=1), order, -1).astype(np.int32)
+    if K > T:
+        index = np.pad(index, ((0, 0), (0, K - T)), constant_values=-1)
     return dict(batch, score_index=jnp.asarray(index))
 
 
@@ -181,27 +188,32 @@ def with_shared_prompts(batch: dict, prompts, prompt_lengths, completions, multi
     prompt) plus the keys of the shared-prompt forward (`rlcode.models.transformer.Transformer.
     forward_shared`): ``prompts`` [P, Lp] and ``prompt_lengths`` [P] once per group, and each row's
     ``completions`` [B, Lc] (its sampled tokens: row position prompt_length + t holds token t),
-    Lp and Lc cut to the longest prompt and what the loss positions read, rounded up to
-    `multiple` (so a run compiles few shapes). The log-probs then come from
+    Lc cut to what the loss positions read, rounded up to `multiple`; the prompts keep their
+    width (the task pool's), so a run compiles one shape per completion width: each compilation
+    of the train step costs as much as many steps, and the prompts are computed only once per
+    group. The log-probs then come from
     a forward over P prompts and B completions instead of B prompts + completions; they are equal.
-    Also adds ``score_index`` (`with_score_index`), which this forward needs."""
-    batch = with_score_index(batch, max_fraction=float("inf"))
+    Also adds ``score_index`` (`with_score_index`), which this forward needs, Lc + 1 wide (a
+    row's loss positions: its prompt's last token and at most Lc own ones), so the batch's shapes
+    follow Lc alone when its time axis is not trimmed."""
     prompt_lengths = np.asarray(prompt_lengths, np.int32)
     prompts, completions = np.asarray(prompts), np.asarray(completions)
     B, P = completions.shape[0], prompts.shape[0]
     if B % P or B != batch["inputs"].shape[0]:
         raise ValueError(f"{B} completion rows for {P} prompts and a batch of {batch['inputs'].shape[0]} rows")
     rows_p = np.repeat(prompt_lengths, B // P)
-    Lp = int(prompt_lengths.max(initial=1))
-    inputs = np.asarray(batch["inputs"])[:, :Lp]
+    inputs = np.asarray(batch["inputs"])[:, :int(prompt_lengths.max(initial=1))]
     in_prompt = np.arange(inputs.shape[1])[None, :] < rows_p[:, None]
     if not np.array_equal(np.where(in_prompt, inputs, 0), np.where(in_prompt, np.repeat(prompts[:, :inputs.shape[1]], B // P, 0), 0)):
         raise ValueError(f"the batch's rows do not start with their group's prompt ({P} groups of {B // P} rows)")
-    index = np.asarray(batch["score_index"])
-    last = np.where(index >= 0, index - rows_p[:, None], -1).max(initial=-1)  # own positions the loss reads
+    mask = np.asarray(batch["mask"], bool)
+    own = np.arange(mask.shape[1])[None, :] - rows_p[:, None]
+    if (mask & (own < -1)).any():
+        raise ValueError("a loss position lies inside a row's prompt")
+    last = int(np.where(mask, own, -1).max(initial=-1))  # the last own position the loss reads
     Lc = min(completions.shape[1], max(multiple, -(-(last + 1) // multiple) * multiple))
-    Lp = min(prompts.shape[1], -(-Lp // multiple) * multiple)  # rounded too: few shapes to compile
-    return dict(batch, prompts=jnp.asarray(prompts[:, :Lp]), prompt_lengths=jnp.asarray(prompt_lengths),
+    batch = with_score_index(batch, width=Lc + 1)
+    return dict(batch, prompts=jnp.asarray(prompts), prompt_lengths=jnp.asarray(prompt_lengths),
                 completions=jnp.asarray(completions[:, :Lc]))
 
 

@@ -77,6 +77,28 @@ def test_bench_scoring_quick(tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_rl_step_quick(tmp_path):
+    """Every stage is timed; the three layouts of the score and train stages agree."""
+    path = tmp_path / "bench.json"
+    stdout = run("experiments.bench_rl_step", "--quick", "--config.model.num_layers=1", f"--out={path}")
+    assert "| train | shared+on_policy |" in stdout
+    result = json.loads(path.read_text())
+    rows = result["results"]
+    assert [r["stage"] for r in rows[:2]] == ["sample", "grade"]
+    assert rows[1]["reference_pass_rate"] == 1.0  # reference solutions: every row's tests ran and passed
+    steps = {r["variant"]: r for r in rows if r["stage"] == "step"}
+    assert set(steps) == {"per_row", "shared_prompts", "shared+on_policy"}
+    for r in steps.values():
+        assert r["logp_diff"] < 1e-5 and abs(r["loss"] - steps["per_row"]["loss"]) < 1e-5
+    staged = [r for r in rows if r["stage"] in ("score", "train")]
+    assert len(staged) == 6 and all(r["median_s"] > 0 and r["xla_flops"] > 0 and r["speedup"] > 0 for r in staged)
+    score = {r["variant"]: r for r in staged if r["stage"] == "score"}
+    assert score["per_row"]["passes"] == score["shared_prompts"]["passes"] == 2  # old + reference
+    assert score["shared+on_policy"]["passes"] == 1  # the old log-probs come from the train step
+    assert score["shared_prompts"]["xla_flops"] < score["per_row"]["xla_flops"]  # G - 1 of G prompts not recomputed
+
+
+@pytest.mark.slow
 def test_bench_load_writes_loads_and_reports_memory(tmp_path):
     path = tmp_path / "bench.json"
     stdout = run("experiments.bench_load", "--shape=tiny", f"--workdir={tmp_path}", "--repeats=1", "--shard_mb=1",
