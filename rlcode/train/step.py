@@ -409,7 +409,8 @@ def make_train_step(
     data = batch_sharding(mesh, rules)
     replicated = NamedSharding(mesh, PartitionSpec())
     jitted = jax.jit(step_fn, in_shardings=(shardings, None), out_shardings=(shardings, None), donate_argnums=0)
-    shards = int(np.prod([mesh.shape[a] for a in (data.spec[0] or ())]))
+    axes = data.spec[0] or ()
+    shards = int(np.prod([mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes)]))
 
     def sharded_step(state, batch):
         # A batch computed on the mesh by another jitted function (old log-probs, advantages) is
