@@ -51,7 +51,7 @@ def _both(P, G, Lp, M, seed):
     return per_row, shared
 
 
-@pytest.mark.parametrize("attention,P,G,Lp,M", [("dense", 1, 2, 5, 3), ("dense", 3, 4, 11, 7), ("dense", 2, 8, 24, 16),
+@pytest.mark.parametrize("attention,P,G,Lp,M", [("dense", 3, 4, 11, 7), ("dense", 1, 2, 5, 3), ("dense", 2, 8, 24, 16),
                                                  ("squid", 3, 4, 11, 7)])
 def test_shared_prompts_give_the_per_row_log_probs(attention, P, G, Lp, M):
     model = _model(attention)
