@@ -43,13 +43,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from rlcode.models.transformer import supports_shared_prompts
 
 from rlcode import advantages as adv_lib
 from rlcode import losses
 from rlcode.checks import ConfigError, flag, integer, real, schema_from_defaults, sequence, text
 from rlcode.envs.tasks import synth
 from rlcode.envs.tasks.protocol import COMPLETION_SOURCES, QUESTION_DEMO
+from rlcode.models.transformer import supports_shared_prompts
 from rlcode.recipes import ShapingConfig
 from rlcode.sampling import SampleOutput, SamplingConfig, to_training_batch
 from rlcode.tokenizer import ByteTokenizer

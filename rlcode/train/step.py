@@ -212,7 +212,7 @@ def with_shared_prompts(batch: dict, prompts, prompt_lengths, completions, multi
         raise ValueError("a loss position lies inside a row's prompt")
     last = int(np.where(mask, own, -1).max(initial=-1))  # the last own position the loss reads
     Lc = min(completions.shape[1], max(multiple, -(-(last + 1) // multiple) * multiple))
-    batch = with_score_index(batch, width=Lc + 1)
+    batch = with_score_index(batch, max_fraction=float("inf"), width=Lc + 1)  # whatever its share of T
     return dict(batch, prompts=jnp.asarray(prompts), prompt_lengths=jnp.asarray(prompt_lengths),
                 completions=jnp.asarray(completions[:, :Lc]))
 

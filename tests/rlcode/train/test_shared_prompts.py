@@ -76,6 +76,8 @@ def test_the_completion_width_covers_exactly_the_positions_the_loss_reads():
     assert shared["prompts"].shape == prompts.shape  # the pool's width: one shape per completion width
     wide = step_lib.with_shared_prompts(batch, prompts, plen, tokens, multiple=8)
     assert wide["completions"].shape[1] == min(12, 8 * -(-(int(n.max()) - 1) // 8))
+    short, p2, l2, t2 = _groups(2, 2, 2, 12, seed=5)  # completions most of the time axis: still indexed
+    assert step_lib.with_shared_prompts(short, p2, l2, t2, multiple=1)["score_index"].shape[1] >= 0.75 * short["mask"].shape[1]
     with pytest.raises(ValueError, match="completion rows"):
         step_lib.with_shared_prompts(batch, prompts[:2], plen[:2], tokens[:4])
     with pytest.raises(ValueError, match="start with their group's prompt"):  # rows and prompts misaligned
