@@ -4,8 +4,9 @@
     python -m experiments.bench_sandbox --publish  # the same into results/ and docs/figures/ (the README's)
     python -m experiments.bench_sandbox --quick    # a few seconds per cell
 
-Programs: `/bin/true` (argv), `python -c "print(1)"`, a small pytest file (two tests), and a shell
-command that reads the 20 files of a workdir and writes one (the pool copies the workdir into the
+Programs: `/bin/true` (argv), `python -c "print(1)"`, the same as `python -I -S -c "print(1)"`
+(`python_min`: no site, no environment: the cheapest interpreter start), a small pytest file (two
+tests), and a shell command that reads the 20 files of a workdir and writes one (the pool copies the workdir into the
 execution's private tmpfs and the new file back; each client has a workdir of its own). Each is
 run by
 
@@ -23,6 +24,10 @@ run by
                   (set in a preexec_fn), an empty environment and a temporary directory: fewer
                   protections than the pool (no read-only root, private /dev and /tmp, uid drop or
                   cgroups), so an optimistic baseline.
+  unshare_min     (`python_min` only) exactly `unshare -Urnpf --mount-proc python -I -S -c
+                  "print(1)"` per execution (user, network, PID and mount namespaces, nothing
+                  else): the cheapest isolated fresh interpreter, the bar the in-place mode is
+                  measured against.
 
 at 1 and 2 concurrent clients (pool: as many workers), each client looping run-and-wait. The
 methods of one cell are measured in interleaved rounds so that load from elsewhere on the machine
@@ -31,6 +36,12 @@ latency of one execution as the client sees it, and the pool's speed-up over `fr
 `unshare_cli`. Every execution's result is checked (status ok, expected output). `plot(rows, path)`
 draws executions/s vs concurrency per program and method (docs/figures/bench_sandbox.png) from
 the JSON's rows.
+
+`--profile` adds where an execution's CPU time goes, per process of the pool (one worker, run
+back to back): the pool's own process (client and pool threads), the worker (fork server), the
+zygote (which forks each init), and the inits with their programs (the zygote's reaped children),
+in milliseconds and minor page faults per execution, from /proc and getrusage, for `print(1)` run
+in place and exec'd as `python -I -S`.
 """
 
 from __future__ import annotations
@@ -57,11 +68,12 @@ from rlcode.sandbox import fstree
 
 _QUICK = flags.DEFINE_bool("quick", False, "Few iterations per cell (seconds in total).")
 _WORKERS = flags.DEFINE_list("workers", ["1", "2"], "Concurrency levels (pool workers = client threads).")
-_CASES = flags.DEFINE_list("cases", ["true", "python", "pytest", "workdir"], "Programs to run.")
+_CASES = flags.DEFINE_list("cases", ["true", "python", "python_min", "pytest", "workdir"], "Programs to run.")
 _ROUNDS = flags.DEFINE_integer("rounds", 4, "Interleaved rounds per cell.")
 _OUT = flags.DEFINE_string("out", None, "JSON output (default runs/bench_sandbox/bench_sandbox[_quick].json).")
 _PNG = flags.DEFINE_string("png", None, "PNG (default: next to the JSON).")
 _PUBLISH = flags.DEFINE_bool("publish", False, PUBLISH_HELP)
+_PROFILE = flags.DEFINE_bool("profile", False, "Also measure CPU time and page faults per process of the pool.")
 
 LIMITS = Limits(cpu_seconds=20, wall_seconds=60, processes=64)
 TEST_FILE = "def test_add():\n    assert 1 + 1 == 2\n\n\ndef test_sort():\n    assert sorted([3, 1, 2]) == [1, 2, 3]\n"
@@ -72,6 +84,8 @@ PER_ROUND = {
     ("true", "unshare_cli"): (50, 5), ("python", "pool_lean"): (30, 4),
     ("python", "pool"): (30, 4), ("python", "pool_inprocess"): (100, 10), ("python", "fresh"): (15, 2),
     ("python", "unshare_cli"): (25, 3),
+    ("python_min", "pool"): (50, 5), ("python_min", "pool_lean"): (50, 5), ("python_min", "pool_inprocess"): (100, 10),
+    ("python_min", "fresh"): (15, 2), ("python_min", "unshare_cli"): (50, 5), ("python_min", "unshare_min"): (100, 10),
     ("pytest", "pool"): (6, 1), ("pytest", "pool_inprocess"): (30, 4), ("pytest", "fresh"): (5, 1),
     ("pytest", "unshare_cli"): (5, 1),
     ("workdir", "pool"): (100, 10), ("workdir", "pool_lean"): (100, 10), ("workdir", "pool_inprocess"): (100, 10),
@@ -89,6 +103,9 @@ def _case(name: str, python: str) -> dict:
         return dict(argv=["/bin/true"], code=None, files=None, check=lambda out: out == b"")
     if name == "python":
         return dict(argv=[python, "-c", "print(1)"], code="print(1)", files=None, check=lambda out: out == b"1\n")
+    if name == "python_min":
+        return dict(argv=[python, "-I", "-S", "-c", "print(1)"], code="print(1)", files=None,
+                    check=lambda out: out == b"1\n")
     if name == "pytest":
         code = f"import sys, pytest; sys.exit(pytest.main({PYTEST_ARGS!r}))"
         return dict(argv=[python, "-m", "pytest", *PYTEST_ARGS], code=code, files={"test_small.py": TEST_FILE},
@@ -148,6 +165,14 @@ def _unshare_cli_run(case: dict, workdir: str | None = None) -> bytes:
         return proc.stdout
     finally:
         fstree.remove(tmp)
+
+
+def _unshare_min_run(python: str) -> bytes:
+    proc = subprocess.run(["unshare", "-Urnpf", "--mount-proc", python, "-I", "-S", "-c", "print(1)"],
+                          env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}, capture_output=True, timeout=60)
+    if proc.returncode != 0:
+        raise RuntimeError(f"unshare execution failed ({proc.returncode}): {proc.stderr[-500:]!r}")
+    return proc.stdout
 
 
 def _drive(fn, clients: int, per_client: int, check) -> tuple[float, list[float]]:
@@ -215,6 +240,8 @@ def _bench_methods(case_name, case, clients, pool, lean, fresh, quick, wds) -> l
                                                               inprocess=True).stdout
     if shutil.which("unshare"):
         methods["unshare_cli"] = lambda i: _unshare_cli_run(case, wds[i])
+        if case_name == "python_min":
+            methods["unshare_min"] = lambda i: _unshare_min_run(pool.python)
     stats = {m: {"elapsed": 0.0, "lat": []} for m in methods}
     for m, fn in methods.items():  # warm-up (page cache, worker first-run effects)
         _drive(fn, clients, 2, case["check"])
@@ -231,13 +258,68 @@ def _bench_methods(case_name, case, clients, pool, lean, fresh, quick, wds) -> l
                          p99_ms=1e3 * _pct(s["lat"], 0.99)))
     by = {r["method"]: r for r in rows}
     for r in rows:
-        for base in ("fresh", "unshare_cli"):
+        for base in ("fresh", "unshare_cli", "unshare_min"):
             if base in by:
                 r[f"speedup_vs_{base}"] = r["execs_per_s"] / by[base]["execs_per_s"]
     return rows
 
 
-METHOD_ORDER = ("pool", "pool_lean", "pool_inprocess", "fresh", "unshare_cli")
+_CLK = os.sysconf("SC_CLK_TCK")
+
+
+def _proc_counters(pid: int) -> dict[str, float]:
+    """CPU seconds and minor faults of `pid` itself and of its reaped children (/proc/pid/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # fields[0] is the state, field 3 of stat(5)
+    return {"cpu": (int(fields[11]) + int(fields[12])) / _CLK, "children_cpu": (int(fields[13]) + int(fields[14])) / _CLK,
+            "faults": float(fields[7]), "children_faults": float(fields[8])}
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            out += [int(c) for c in f.read().split()]
+    return out
+
+
+def profile(pool: SandboxPool, n: int) -> list[dict]:
+    """Per process of a one-worker pool: CPU ms and minor faults per execution of `print(1)`, run
+    in place and exec'd as `python -I -S`, n executions back to back."""
+    worker = pool.worker_pids()[0]
+    runs = {"inprocess": lambda: pool.run_python("print(1)", inprocess=True),
+            "exec_python_min": lambda: pool.run([pool.python, "-I", "-S", "-c", "print(1)"])}
+    rows = []
+    for mode, fn in runs.items():
+        for _ in range(5):
+            fn()  # warm
+        zygotes = _children(worker)  # between executions the zygote is the worker's only child
+        if len(zygotes) != 1:
+            raise RuntimeError(f"expected the worker to have one child (its zygote), found {zygotes}")
+        zygote = zygotes[0]
+        w0, z0, s0 = _proc_counters(worker), _proc_counters(zygote), resource.getrusage(resource.RUSAGE_SELF)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            res = fn()
+            if res.stdout != b"1\n":
+                raise RuntimeError(f"unexpected result {res}")
+        wall = time.perf_counter() - t0
+        w1, z1, s1 = _proc_counters(worker), _proc_counters(zygote), resource.getrusage(resource.RUSAGE_SELF)
+        per = lambda x: 1e3 * x / n
+        roles = {
+            "pool process": (s1.ru_utime + s1.ru_stime - s0.ru_utime - s0.ru_stime, s1.ru_minflt - s0.ru_minflt),
+            "worker": (w1["cpu"] - w0["cpu"], w1["faults"] - w0["faults"]),
+            "zygote": (z1["cpu"] - z0["cpu"], z1["faults"] - z0["faults"]),
+            "inits + programs": (z1["children_cpu"] - z0["children_cpu"], z1["children_faults"] - z0["children_faults"]),
+        }
+        total = sum(c for c, _ in roles.values())
+        for role, (cpu, faults) in roles.items():
+            rows.append(dict(mode=mode, role=role, cpu_ms=per(cpu), faults=faults / n, share=cpu / total if total else 0.0,
+                             wall_ms=per(wall), n=n))
+    return rows
+
+
+METHOD_ORDER = ("pool", "pool_lean", "pool_inprocess", "fresh", "unshare_cli", "unshare_min")
 # What the figure's legend calls each method (the JSON keeps the short names).
 METHOD_LABELS = {
     "pool": "sandbox pool: program exec'd (pytest preloaded)",
@@ -245,6 +327,7 @@ METHOD_LABELS = {
     "pool_inprocess": "sandbox pool: Python run in the warm worker",
     "fresh": "new interpreter per execution, same isolation",
     "unshare_cli": "unshare(1) per execution, fewer protections",
+    "unshare_min": "unshare -Urnpf --mount-proc python -I -S per execution",
 }
 
 
@@ -276,7 +359,8 @@ def plot(rows, path):
         ax.yaxis.set_minor_formatter(NullFormatter())
         ax.grid(True, which="both", alpha=0.3)
         ax.set_ylabel("executions / s (all clients, log scale)")
-        ax.set_title({"true": "/bin/true", "python": 'python -c "print(1)"', "pytest": "pytest, 2 tests",
+        ax.set_title({"true": "/bin/true", "python": 'python -c "print(1)"',
+                      "python_min": 'python -I -S -c "print(1)"', "pytest": "pytest, 2 tests",
                       "workdir": "sh, 20-file workdir"}.get(case, case))
     legend = {}  # a method missing from one program (no in-process /bin/true) is still named
     for ax in axes:
@@ -316,14 +400,26 @@ def main(argv):
                 for f in fresh:
                     f.close()
     header = (f"{'program':8s} {'method':15s} {'workers':>7s} {'n':>5s} {'exec/s':>8s} {'p50 ms':>8s} "
-              f"{'p99 ms':>8s} {'x fresh':>8s} {'x unshare':>9s}")
+              f"{'p99 ms':>8s} {'x fresh':>8s} {'x unshare':>9s} {'x unshare_min':>13s}")
     print("\n" + header + "\n" + "-" * len(header))
     for r in rows:
         print(f"{r['case']:8s} {r['method']:15s} {r['workers']:7d} {r['n']:5d} {r['execs_per_s']:8.1f} "
               f"{r['p50_ms']:8.1f} {r['p99_ms']:8.1f} {r.get('speedup_vs_fresh', float('nan')):8.2f} "
-              f"{r.get('speedup_vs_unshare_cli', float('nan')):9.2f}")
+              f"{r.get('speedup_vs_unshare_cli', float('nan')):9.2f} "
+              f"{r.get('speedup_vs_unshare_min', float('nan')):13.2f}")
+    prof = None
+    if _PROFILE.value:
+        with SandboxPool(1, LIMITS) as pool:
+            prof = profile(pool, 40 if quick else 600)
+        print(f"\n{'mode':16s} {'process':17s} {'CPU ms/exec':>11s} {'share':>6s} {'faults/exec':>11s}")
+        for r in prof:
+            print(f"{r['mode']:16s} {r['role']:17s} {r['cpu_ms']:11.2f} {r['share']:6.0%} {r['faults']:11.0f}")
+        for mode in dict.fromkeys(r["mode"] for r in prof):
+            mine = [r for r in prof if r["mode"] == mode]
+            print(f"{mode}: {sum(r['cpu_ms'] for r in mine):.2f} ms CPU per execution in all, "
+                  f"{mine[0]['wall_ms']:.2f} ms wall (one worker, back to back)")
     record = dict(
-        rows=rows, quick=quick, rounds=_ROUNDS.value, limits=LIMITS.to_dict(), guarantees=guarantees,
+        rows=rows, profile=prof, quick=quick, rounds=_ROUNDS.value, limits=LIMITS.to_dict(), guarantees=guarantees,
         machine=dict(cpus=os.cpu_count(), kernel=platform.release(), python=platform.python_version(),
                      loadavg_at_end=os.getloadavg()),
         notes=("speedup_vs_X = executions/s of this method / executions/s of X in the same cell. "
