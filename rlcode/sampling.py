@@ -38,6 +38,7 @@ from rlcode.models.logprobs import process_logits
 SAMPLING_SPECS = {
     "max_new_tokens": integer(1), "temperature": real(0, low_open=True), "top_k": integer(0, none_ok=True),
     "top_p": real(0, 1, low_open=True, none_ok=True), "stop_ids": sequence(integer()), "pad_id": integer(),
+    "slots": integer(0),
 }
 
 
@@ -47,7 +48,9 @@ class SamplingConfig(TypedSection):
 
     temperature > 0 (no greedy special case: use top_k=1); top_k None/0 = off; top_p None/1.0 =
     off; stop_ids end a row (the stop token is part of the completion and of its mask); pad_id
-    fills tokens after the end. A job's `sampling` section becomes one through `from_config`.
+    fills tokens after the end. slots > 0: `sample` decodes with continuous batching in that many
+    slots (`sample_continuous`); 0: every row in one static batch. A job's `sampling` section
+    becomes one through `from_config`.
     """
 
     SPECS = SAMPLING_SPECS
@@ -59,6 +62,7 @@ class SamplingConfig(TypedSection):
     top_p: float | None = None
     stop_ids: tuple[int, ...] = ()
     pad_id: int = 0
+    slots: int = 0
 
 
 class SampleOutput(NamedTuple):
@@ -101,13 +105,103 @@ def sample(
         depend on the other rows of the batch; with per-prompt keys it does not depend on where
         its prompt sits in the batch either.
       group_size: G samples per prompt; B = Pg * G rows ordered group by group.
-      cfg: a SamplingConfig (static).
+      cfg: a SamplingConfig (static); with cfg.slots > 0 the rows decode with continuous batching
+        (`_generate_continuous`): the same tokens and log-probs per row, fewer decoded rows when
+        their lengths differ.
     """
     model = nnx.merge(graphdef, params)
     lengths_p = prompt_lengths.astype(jnp.int32)
     out = model(prompts, mask=AttentionMask(kv_lengths=lengths_p), return_kv=True)
     last = jnp.take_along_axis(out.hidden, (lengths_p - 1)[:, None, None], axis=1)[:, 0]  # [Pg, D]
+    if cfg.slots:
+        if not supports_continuous_batching(model.cfg):
+            raise ValueError("sampling.slots > 0 (continuous batching) needs dense or squid attention and a dense MLP; "
+                             "set sampling.slots=0 for this model")
+        return _generate_continuous(model, out.kv, lengths_p, last, key, group_size, cfg)
     return _generate(model, out.kv, lengths_p, last, lengths_p, key, group_size, cfg)
+
+
+def supports_continuous_batching(model_cfg: Any) -> bool:
+    """Whether `sample` may decode this model's rows with continuous batching (``slots`` > 0): dense
+    or squid attention, whose decode takes one step per row, and a dense MLP (a mixture of experts
+    routes and drops over the tokens of a batch, so a row's tokens would depend on its neighbours).
+    `model_cfg`: a model's config (`Transformer.cfg`) or a job's model section."""
+    return model_cfg.attention["kind"] in ("dense", "squid") and model_cfg.mlp["kind"] == "dense"
+
+
+def _row_keys(key: jax.Array, Pg: int, G: int) -> jax.Array:
+    """Row b's key: fold_in(key, b), or fold_in(key[b // G], b % G) with one key per prompt."""
+    B = Pg * G
+    if key.ndim == 0:
+        return jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(B))
+    if key.shape == (Pg,):  # one key per prompt
+        return jax.vmap(lambda b: jax.random.fold_in(key[b // G], b % G))(jnp.arange(B))
+    raise ValueError(f"key must be one key or one per prompt [{Pg}], got shape {key.shape}")
+
+
+def _completion_mask(tokens: jax.Array, stop_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(mask, lengths) of completions whose every position after a row's stop token is padding."""
+    is_stop = jnp.isin(tokens, stop_ids)
+    mask = jnp.cumsum(is_stop, axis=1) - is_stop == 0
+    return mask, mask.sum(-1).astype(jnp.int32)
+
+
+def _generate_continuous(model, prefix, prefix_lengths, last_hidden, key, G, cfg) -> SampleOutput:
+    """Continuous batching: `cfg.slots` rows decode at a time; a slot whose row ends (stop token or
+    max_new_tokens) takes the next waiting row at once, its suffix cache reused from slot 0 on.
+
+    Rows are served in order (row b = sample b % G of prompt b // G). Each slot reads its prompt's
+    keys/values from the prefix cache (every prompt prefilled once) and its own suffix; row b's
+    token t is drawn with fold_in(row key, t) from its own history alone, as in `_generate`, so a
+    row's tokens do not depend on which slot or which neighbours it had, and its log-probs are
+    those of the distribution it was drawn from. The loop ends when every row has ended; no step
+    decodes for a row that has ended except the one in which it ended (the slot's next row starts
+    from its prompt's last hidden state, already computed)."""
+    Pg = prefix_lengths.shape[0]
+    M = cfg.max_new_tokens
+    B = Pg * G
+    S = min(cfg.slots, B)
+    row_keys = _row_keys(key, Pg, G)
+    first_logits = model.logits(last_hidden)  # [Pg, V]: each prompt's next-token logits
+    stop_ids = jnp.asarray(cfg.stop_ids if cfg.stop_ids else (-1,), jnp.int32)
+
+    def cond(state):
+        return jnp.any(state[0] < B)
+
+    def body(state):
+        slot_row, slot_step, next_row, tokens, logps, logits, suffix = state
+        live = slot_row < B
+        row = jnp.minimum(slot_row, B - 1)
+        keys = jax.vmap(jax.random.fold_in)(row_keys[row], slot_step)
+        token, logp = sample_token(keys, logits, cfg)
+        write = jnp.where(live, slot_row, B)  # an idle slot writes nowhere (dropped)
+        tokens = tokens.at[write, slot_step].set(token, mode="drop")
+        logps = logps.at[write, slot_step].set(logp, mode="drop")
+        ended = live & (jnp.isin(token, stop_ids) | (slot_step + 1 >= M))
+        prompt = row // G
+        slot_prefix = jax.tree.map(lambda a: a[prompt], prefix)
+        hidden, suffix = model.decode(token, prefix_lengths[prompt] + slot_step, slot_prefix,
+                                      prefix_lengths[prompt], suffix, slot_step)
+        # Ended slots take the next rows in slot order; past the last row they go idle.
+        new_row = next_row + jnp.cumsum(ended) - 1
+        new_row = jnp.where(new_row < B, new_row, B)
+        slot_row = jnp.where(ended, new_row, slot_row)
+        slot_step = jnp.where(ended, 0, slot_step + 1)
+        logits = jnp.where(ended[:, None], first_logits[jnp.minimum(new_row, B - 1) // G], model.logits(hidden))
+        return slot_row, slot_step, next_row + ended.sum(), tokens, logps, logits, suffix
+
+    init = (
+        jnp.arange(S, dtype=jnp.int32),
+        jnp.zeros((S,), jnp.int32),
+        jnp.asarray(S, jnp.int32),
+        jnp.full((B, M), cfg.pad_id, jnp.int32),
+        jnp.zeros((B, M), jnp.float32),
+        first_logits[jnp.arange(S) // G],
+        model.init_suffix_cache(S, M),
+    )
+    _, _, _, tokens, logps, _, _ = jax.lax.while_loop(cond, body, init)
+    mask, lengths = _completion_mask(tokens, stop_ids)
+    return SampleOutput(tokens, logps, mask, lengths)
 
 
 def _generate(model, prefix, prefix_lengths, last_hidden, first_position, key, G, cfg) -> SampleOutput:
@@ -117,12 +211,7 @@ def _generate(model, prefix, prefix_lengths, last_hidden, first_position, key, G
     M = cfg.max_new_tokens
     B = Pg * G
     logits = jnp.repeat(model.logits(last_hidden), G, axis=0)  # [B, V]
-    if key.ndim == 0:
-        row_keys = jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(B))
-    elif key.shape == (Pg,):  # one key per prompt
-        row_keys = jax.vmap(lambda b: jax.random.fold_in(key[b // G], b % G))(jnp.arange(B))
-    else:
-        raise ValueError(f"key must be one key or one per prompt [{Pg}], got shape {key.shape}")
+    row_keys = _row_keys(key, Pg, G)
     positions0 = jnp.repeat(first_position.astype(jnp.int32), G)
     stop_ids = jnp.asarray(cfg.stop_ids if cfg.stop_ids else (-1,), jnp.int32)
 
@@ -152,9 +241,8 @@ def _generate(model, prefix, prefix_lengths, last_hidden, first_position, key, G
     _, tokens, logps, _, _, _ = jax.lax.while_loop(cond, body, init)
     # Everything after a row's stop token is padding. A loop that ends early ends only when every
     # row has stopped, so the positions it never wrote are all after a stop.
-    is_stop = jnp.isin(tokens, stop_ids)
-    mask = jnp.cumsum(is_stop, axis=1) - is_stop == 0
-    return SampleOutput(tokens, logps, mask, mask.sum(-1).astype(jnp.int32))
+    mask, lengths = _completion_mask(tokens, stop_ids)
+    return SampleOutput(tokens, logps, mask, lengths)
 
 
 class TrainingBatch(NamedTuple):

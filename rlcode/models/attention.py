@@ -12,7 +12,8 @@ Every kind implements the same three calls:
 * `decode(x_bd, positions_b, prefix, prefix_lengths, suffix, step) -> (y_bd, suffix)` – one new
   token per row against a shared-prefix cache: `prefix` holds the keys/values of Pg prompts
   (prefilled once), row b of the B = Pg * G rows belongs to prompt b // G, and `suffix` holds
-  each row's own generated keys/values (slot `step` is written by this call).
+  each row's own generated keys/values (slot `step` is written by this call; dense and squid
+  attention also take one step per row [B], each row's own slot, for continuous batching).
 
 Squid attention adds `attend_context(x_btd, positions_bt, context, context_valid)`: a global
 segment against cached document keys/values (`rlcode.sampling.encode_documents`).
@@ -237,10 +238,16 @@ class DenseAttention(nnx.Module):
         G = B // Pg
         K, R, H = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
         q, k, v = self.proj.qkv(x_bd[:, None], positions_b[:, None])
-        suffix = KVCache(
-            jax.lax.dynamic_update_slice_in_dim(suffix.k, k.astype(suffix.k.dtype), step, axis=1),
-            jax.lax.dynamic_update_slice_in_dim(suffix.v, v.astype(suffix.v.dtype), step, axis=1),
-        )
+        step = jnp.asarray(step)
+        if step.ndim == 0:
+            suffix = KVCache(
+                jax.lax.dynamic_update_slice_in_dim(suffix.k, k.astype(suffix.k.dtype), step, axis=1),
+                jax.lax.dynamic_update_slice_in_dim(suffix.v, v.astype(suffix.v.dtype), step, axis=1),
+            )
+        else:  # one slot per row (continuous batching: rows at different steps)
+            rows = jnp.arange(B)
+            suffix = KVCache(suffix.k.at[rows, step].set(k[:, 0].astype(suffix.k.dtype)),
+                             suffix.v.at[rows, step].set(v[:, 0].astype(suffix.v.dtype)))
         scale = H**-0.5
         q_bkrh = q[:, 0].reshape(B, K, R, H)
         # The prompt's keys are read once per group: G rows' queries are stacked against them.
@@ -251,7 +258,7 @@ class DenseAttention(nnx.Module):
         o_p = o_p.reshape(Pg, K, G, R, H).transpose(0, 2, 1, 3, 4).reshape(B, K, R, H)
         lse_p = lse_p.reshape(Pg, K, G, R).transpose(0, 2, 1, 3).reshape(B, K, R)
         S_s = suffix.k.shape[1]
-        valid_s = jnp.broadcast_to(jnp.arange(S_s)[None, :] <= step, (B, S_s))
+        valid_s = jnp.broadcast_to(jnp.arange(S_s)[None, :] <= step.reshape(-1, 1), (B, S_s))
         o_s, lse_s = _masked_partial_attention(q_bkrh, suffix.k, suffix.v, valid_s, scale)
         o = merge_attention([(o_p, lse_p), (o_s, lse_s)])
         y = self.proj.out(o.reshape(B, 1, K * R, H))
