@@ -51,7 +51,7 @@ from rlcode.envs.tasks import synth
 from rlcode.envs.tasks.protocol import COMPLETION_SOURCES, QUESTION_DEMO
 from rlcode.models.transformer import supports_shared_prompts
 from rlcode.recipes import ShapingConfig
-from rlcode.sampling import SampleOutput, SamplingConfig, to_training_batch
+from rlcode.sampling import SampleOutput, SamplingConfig, supports_continuous_batching, to_training_batch
 from rlcode.tokenizer import ByteTokenizer
 from rlcode.train import memory
 from rlcode.train.engine import Context, Job, Plan, RunResult, train
@@ -77,7 +77,7 @@ SYNTH_SECTIONS = {
              "num_eval": integer(1), "num_fresh": integer(0), "max_prompt_len": integer(1), "seed": SEED,
              "allow_questions": flag(required=False), "question_demos": real(0, 1, required=False)},
     "sampling": {"max_new_tokens": integer(1), "temperature": real(0, low_open=True), "top_k": integer(0),
-                 "top_p": real(0, 1, low_open=True)},
+                 "top_p": real(0, 1, low_open=True), "slots": integer(0, required=False)},
     "rollout": {"prompts_per_step": integer(1), "group_size": integer(1), "async_mode": flag(),
                 "max_staleness": integer(0), "max_draws": integer(1), "trim_multiple": integer(1, required=False)},
     "sandbox": {"workers": integer(1, MAX_SANDBOX_WORKERS)},
@@ -119,6 +119,10 @@ def validate_config(cfg: Any, num_devices: int | None = None,
         raise ConfigError(f"with train.shared_prompts a micro-batch holds whole groups: the {P // cfg.train.minibatches} "
                           f"groups of a minibatch are not divisible by train.microbatches={cfg.train.microbatches} "
                           "(or set train.shared_prompts=False)")
+    if cfg.sampling.get("slots", 0) and not supports_continuous_batching(cfg.model):
+        raise ConfigError(f"sampling.slots={cfg.sampling.slots}: continuous batching needs dense or squid attention and a "
+                          f"dense MLP, not {cfg.model.attention['kind']!r} attention with a {cfg.model.mlp['kind']!r} MLP "
+                          "(set sampling.slots=0)")
     reward = SynthRewardConfig.from_config(cfg.reward)
     if reward.source == "reward_model" and not os.path.isdir(reward.reward_model):
         raise ConfigError(f"reward.reward_model={reward.reward_model!r}: no such directory")

@@ -20,10 +20,12 @@ from rlcode.checks import ConfigError, flatten
 # cache live, how long it runs (extending train.steps also stretches the learning-rate schedule
 # when optim.total_steps follows train.steps, as in the shipped configs), its time budget, the
 # sandbox's parallelism, how often and how many checkpoints are kept, the train batch's layout
-# (train.shared_prompts: the same log-probs either way) and the resume switches themselves. Any other change (seeds, learning rate, rewards, model, batch shape, evaluation,
+# (train.shared_prompts: the same log-probs either way), the sampler's batching (sampling.slots:
+# the same tokens either way) and the resume switches themselves. Any other change (seeds, learning rate, rewards, model, batch shape, evaluation,
 # ...) would make the resumed run a different experiment.
 RESUME_MUTABLE = ("resume", "resume_override", "workdir", "train.steps", "train.max_minutes", "sandbox.workers",
-                  "sft.cache_dir", "checkpoint.every", "checkpoint.keep", "train.shared_prompts")
+                  "sft.cache_dir", "checkpoint.every", "checkpoint.keep", "train.shared_prompts",
+                  "sampling.slots")
 CONFIG_HISTORY = "config_history"
 # The final parameters alone (`rlcode.train.checkpoint.save_params`), written when a run ends.
 PARAMS_DIR = "params"

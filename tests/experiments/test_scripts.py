@@ -99,6 +99,24 @@ def test_bench_rl_step_quick(tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_continuous_quick(tmp_path):
+    """Static batch and slot counts on both length distributions, the same tokens (checked by the
+    script on every batch), lengths summarised."""
+    path = tmp_path / "bench.json"
+    stdout = run("experiments.bench_continuous", "--quick", "--slots=2,4", "--config.model.num_layers=1", f"--out={path}")
+    assert "gen tok/s" in stdout
+    rows = json.loads(path.read_text())["rows"]
+    assert {(r["case"], r["variant"]) for r in rows} == {
+        (c, v) for c in ("main_job", "varied") for v in ("static", "slots=2", "slots=4")}
+    for r in rows:
+        assert r["seconds_per_batch"] > 0 and r["speedup"] > 0 and r["generated_tokens_per_s"] > 0
+        L = r["lengths"]
+        assert 1 <= L["min"] <= L["median"] <= L["max"] and L["static_waste"] >= 1.0
+    varied = next(r for r in rows if r["case"] == "varied")["lengths"]
+    assert varied["min"] < varied["max"]  # the stop tokens end rows at different steps
+
+
+@pytest.mark.slow
 def test_bench_load_writes_loads_and_reports_memory(tmp_path):
     path = tmp_path / "bench.json"
     stdout = run("experiments.bench_load", "--shape=tiny", f"--workdir={tmp_path}", "--repeats=1", "--shard_mb=1",
