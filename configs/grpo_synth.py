@@ -40,7 +40,6 @@ import ml_collections
 
 from rlcode.checks import parse_config_arg
 from rlcode.models.attention import attention_config
-from rlcode.sampling import supports_continuous_batching
 from rlcode.models.lora import lora_config
 from rlcode.models.moe import moe_config
 from rlcode.models.transformer import model_config
@@ -100,10 +99,11 @@ def get_config(arg=None):
          # demonstrations that ask (experiments/clarifying_questions.py).
          "allow_questions": False, "question_demos": 0.0})
     # slots: continuous batching, that many rows decoding at a time, a finished row's slot taken by
-    # the next (rlcode.sampling; the same tokens as one static batch, ~1.5x faster on these
-    # lengths here: experiments/bench_continuous.py); 0 where the model cannot (NSA, MoE).
+    # the next (rlcode.sampling; the same tokens as one static batch, fewer decoded rows:
+    # experiments/bench_continuous.py); 0: one static batch. A model that cannot (NSA attention, a
+    # mixture of experts) samples one static batch whatever this says (the job logs it).
     cfg.sampling = ml_collections.ConfigDict({"max_new_tokens": 80, "temperature": 1.0, "top_k": 0, "top_p": 1.0,
-                                              "slots": 8 if supports_continuous_batching(cfg.model) else 0})
+                                              "slots": 8})
     if from_base:
         cfg.task.max_prompt_len = BPE_LENGTHS["max_prompt_len"]
         cfg.sampling.max_new_tokens = BPE_LENGTHS["max_new_tokens"]
