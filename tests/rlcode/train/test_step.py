@@ -197,6 +197,22 @@ def test_sharded_step_equals_single_device(eight_device_result):
 
 
 @pytest.mark.slow
+def test_sharded_shared_prompt_step_equals_single_device():
+    """Shared-prompt batches (each group's prompt once) on 8 devices: prompts placed with their rows
+    where they divide over the data shards, replicated where not; both equal one device."""
+    out = subprocess.run([sys.executable, step_check.__file__, "shared", "data=2,fsdp=2,tensor=2"],
+                         env=_env(8), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["devices"] == 8 and result["data_shards"] == 4
+    assert sorted(c["prompts_divide"] for c in result["cases"]) == [False, True]
+    for case in result["cases"]:
+        assert case["param_change"] > 1e-4, case  # the steps moved the parameters
+        assert case["max_param_diff"] < 1e-5 and case["max_metric_rel_diff"] < 1e-5, case
+        np.testing.assert_allclose(case["loss"], case["ref_loss"], rtol=1e-5)
+
+
+@pytest.mark.slow
 def test_two_processes_on_localhost_equal_single_device():
     port = _free_port()
     procs = [
