@@ -2,8 +2,9 @@
 
     python -m experiments.train --config=configs/grpo_synth.py
 
-Runs on a laptop CPU with these defaults (on a 2-core machine: the SFT warm start 14 minutes the
-first time, then taken from the cache; 200 GRPO steps of about 5 s; five evaluations of about 80 s). The argument after ':' is a comma-separated list of
+Runs on a laptop CPU with these defaults (on a 2-core machine: the SFT warm start 7-14 minutes the
+first time, then taken from the cache; 200 GRPO steps of 2.3-6 s; five evaluations of 30-90 s; the
+machine's speed varies that much between days). The argument after ':' is a comma-separated list of
 `name=value` choices:
 
   loss=<recipe>   one of rlcode.recipes.RECIPES (grpo, dr_grpo, dapo, gspo, cispo, ppo); ppo adds
