@@ -32,6 +32,7 @@ from rlcode.checks import TypedSection, integer, real, sequence
 from rlcode.models.attention import AttentionMask, KVCache
 from rlcode.models.layers import Rope, apply_rope
 from rlcode.models.logprobs import process_logits
+from rlcode.models.transformer import supports_shared_prompts
 
 
 # The valid values of the sampler's options (the `sampling` section of a job's config holds some of them).
@@ -49,7 +50,7 @@ class SamplingConfig(TypedSection):
     temperature > 0 (no greedy special case: use top_k=1); top_k None/0 = off; top_p None/1.0 =
     off; stop_ids end a row (the stop token is part of the completion and of its mask); pad_id
     fills tokens after the end. slots > 0: `sample` decodes with continuous batching in that many
-    slots (`sample_continuous`); 0: every row in one static batch. A job's `sampling` section
+    slots (`_generate_continuous`); 0: every row in one static batch. A job's `sampling` section
     becomes one through `from_config`.
     """
 
@@ -122,11 +123,12 @@ def sample(
 
 
 def supports_continuous_batching(model_cfg: Any) -> bool:
-    """Whether `sample` may decode this model's rows with continuous batching (``slots`` > 0): dense
-    or squid attention, whose decode takes one step per row, and a dense MLP (a mixture of experts
-    routes and drops over the tokens of a batch, so a row's tokens would depend on its neighbours).
+    """Whether `sample` may decode this model's rows with continuous batching (``slots`` > 0). The
+    condition is the shared-prompt forward's (`supports_shared_prompts`): dense or squid attention,
+    whose decode takes one step per row, and a dense MLP (a mixture of experts routes and drops
+    over the tokens of a batch, so a row's tokens would depend on its neighbours).
     `model_cfg`: a model's config (`Transformer.cfg`) or a job's model section."""
-    return model_cfg.attention["kind"] in ("dense", "squid") and model_cfg.mlp["kind"] == "dense"
+    return supports_shared_prompts(model_cfg)
 
 
 def _row_keys(key: jax.Array, Pg: int, G: int) -> jax.Array:
@@ -174,9 +176,9 @@ def _generate_continuous(model, prefix, prefix_lengths, last_hidden, key, G, cfg
         row = jnp.minimum(slot_row, B - 1)
         keys = jax.vmap(jax.random.fold_in)(row_keys[row], slot_step)
         token, logp = sample_token(keys, logits, cfg)
-        write = jnp.where(live, slot_row, B)  # an idle slot writes nowhere (dropped)
-        tokens = tokens.at[write, slot_step].set(token, mode="drop")
-        logps = logps.at[write, slot_step].set(logp, mode="drop")
+        # An idle slot's row index is B: its writes fall outside the arrays and are dropped.
+        tokens = tokens.at[slot_row, slot_step].set(token, mode="drop")
+        logps = logps.at[slot_row, slot_step].set(logp, mode="drop")
         ended = live & (jnp.isin(token, stop_ids) | (slot_step + 1 >= M))
         prompt = row // G
         slot_prefix = jax.tree.map(lambda a: a[prompt], prefix)
