@@ -10,9 +10,8 @@ import pytest
 from flax import nnx
 
 from rlcode import sampling
-from rlcode.models.attention import AttentionMask
-from rlcode.models.logprobs import token_logprobs
 from rlcode.models.transformer import init_model, model_config
+from support import training_logprobs
 
 V = 61
 NSA = dict(kind="nsa", block_len=4, stride=2, select_size=4, num_select=3, window=6, impl="xla")
@@ -78,18 +77,9 @@ def test_continuous_behaviour_logprobs_equal_training_forward(dense):
     cfg = sampling.SamplingConfig(max_new_tokens=12, temperature=0.8, top_p=0.95, stop_ids=STOPS, slots=2)
     out = sampling.sample(graphdef, params, prompts, lengths, jax.random.key(0), group_size=4, cfg=cfg)
     batch = sampling.to_training_batch(prompts, lengths, out, group_size=4)
-
-    @jax.jit
-    def forward(params, batch):
-        model = nnx.merge(graphdef, params)
-        hidden = model(batch.inputs, batch.positions, AttentionMask(kv_lengths=batch.kv_lengths)).hidden
-        w, layout = model.unembedding()
-        return token_logprobs(hidden, w, batch.targets, temperature=cfg.temperature, top_p=cfg.top_p,
-                              unembed_layout=layout)
-
     mask = np.asarray(batch.mask)
     assert mask.sum() == int(out.lengths.sum()) > 0
-    diff = np.abs(np.asarray(forward(params, batch)) - np.asarray(batch.behavior_logp))[mask]
+    diff = np.abs(np.asarray(training_logprobs(graphdef, params, batch, cfg)) - np.asarray(batch.behavior_logp))[mask]
     assert diff.max() < 1e-4, diff.max()
 
 

@@ -8,8 +8,8 @@ from flax import nnx
 
 from rlcode import sampling
 from rlcode.models.attention import AttentionMask
-from rlcode.models.logprobs import token_logprobs
 from rlcode.models.transformer import init_model, model_config
+from support import training_logprobs
 
 V = 61
 
@@ -29,18 +29,6 @@ def model_parts():
 def prompts_and_lengths():
     prompts = jnp.array([[5, 6, 7, 8, 9, 0], [11, 12, 0, 0, 0, 0], [13, 14, 15, 0, 0, 0]], jnp.int32)
     return prompts, jnp.array([5, 2, 3], jnp.int32)
-
-
-def training_logprobs(graphdef, params, batch, cfg):
-    @jax.jit
-    def fn(params, batch):
-        model = nnx.merge(graphdef, params)
-        hidden = model(batch.inputs, batch.positions, AttentionMask(kv_lengths=batch.kv_lengths)).hidden
-        w, layout = model.unembedding()
-        return token_logprobs(hidden, w, batch.targets, temperature=cfg.temperature, top_k=cfg.top_k,
-                              top_p=cfg.top_p, unembed_layout=layout)
-
-    return fn(params, batch)
 
 
 @pytest.mark.parametrize(

@@ -27,3 +27,23 @@ def derived_config(path, base: str, *changes: str) -> str:
     with open(path, "w") as f:
         f.write("\n".join(lines))
     return str(path)
+
+
+def training_logprobs(graphdef, params, batch, cfg):
+    """Log-probs of a `rlcode.sampling.TrainingBatch`'s targets under the sampler's distribution
+    (`cfg`: its SamplingConfig), from the full training forward: the oracle for behaviour log-probs."""
+    import jax
+    from flax import nnx
+
+    from rlcode.models.attention import AttentionMask
+    from rlcode.models.logprobs import token_logprobs
+
+    @jax.jit
+    def fn(params, batch):
+        model = nnx.merge(graphdef, params)
+        hidden = model(batch.inputs, batch.positions, AttentionMask(kv_lengths=batch.kv_lengths)).hidden
+        w, layout = model.unembedding()
+        return token_logprobs(hidden, w, batch.targets, temperature=cfg.temperature, top_k=cfg.top_k,
+                              top_p=cfg.top_p, unembed_layout=layout)
+
+    return fn(params, batch)
