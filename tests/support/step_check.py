@@ -62,19 +62,22 @@ def make_batch(B=16, T=12, V=96, seed=0):
     }
 
 
-def run_step(mesh=None, microbatches=2, steps=3):
+def run_step(mesh=None, microbatches=2, steps=3, batch=None, value_head=True, **loss_overrides):
+    """`steps` train steps on `batch` (default `make_batch()`, placed on the mesh's data axes here;
+    a given batch is placed by the sharded step itself): (metrics per step, params, state)."""
     from rlcode.train import step as step_lib
 
-    model, loss_cfg, optim = build()
+    model, loss_cfg, optim = build(value_head=value_head, **loss_overrides)
     optimizer = step_lib.make_optimizer(optim)
     graphdef, state = step_lib.init_train_state(model, optimizer, seed=0, mesh=mesh)
     shardings = step_lib.state_shardings(state) if mesh is not None else None
     train_step = step_lib.make_train_step(graphdef, loss_cfg, optimizer, microbatches=microbatches,
                                           mesh=mesh, shardings=shardings, schedule=step_lib.lr_schedule(optim))
-    batch = make_batch()
-    if mesh is not None:
-        sharding = step_lib.batch_sharding(mesh)
-        batch = {k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx]) for k, v in batch.items()}
+    if batch is None:
+        batch = make_batch()
+        if mesh is not None:
+            sharding = step_lib.batch_sharding(mesh)
+            batch = {k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx]) for k, v in batch.items()}
     history = []
     for _ in range(steps):
         state, metrics = train_step(state, batch)
@@ -82,6 +85,21 @@ def run_step(mesh=None, microbatches=2, steps=3):
     params = jax.tree.map(lambda x: np.asarray(jax.device_get(x)) if x.is_fully_addressable else
                           np.asarray(multihost_utils.process_allgather(x, tiled=True)), state.params)
     return history, params, state
+
+
+def differences(ref, run, value_head=True) -> dict:
+    """Losses and the largest differences between a reference run and a run of `run_step`
+    (each (history, params, ...)), and how far the parameters moved from their start."""
+    (ref_hist, ref_params, *_), (hist, params, *_) = ref, run
+    ref_leaves = jax.tree.leaves(ref_params)
+    return {
+        "loss": [h["loss"] for h in hist],
+        "ref_loss": [h["loss"] for h in ref_hist],
+        "max_param_diff": max(float(np.max(np.abs(a - b))) for a, b in zip(ref_leaves, jax.tree.leaves(params))),
+        "max_metric_rel_diff": max(abs(h[k] - r[k]) / max(1.0, abs(r[k])) for h, r in zip(hist, ref_hist) for k in r),
+        "param_change": max(float(np.max(np.abs(a - b)))
+                            for a, b in zip(ref_leaves, jax.tree.leaves(initial_params(value_head)))),
+    }
 
 
 def make_shared_batch(P, G, Lp=10, M=8, V=96, seed=0):
@@ -109,22 +127,6 @@ def make_shared_batch(P, G, Lp=10, M=8, V=96, seed=0):
     return {k: np.asarray(v) for k, v in shared.items()}
 
 
-def run_shared_step(batch, mesh=None, microbatches=1, steps=3):
-    from rlcode.train import step as step_lib
-
-    model, loss_cfg, optim = build(value_head=False, value_coef=0.0)
-    optimizer = step_lib.make_optimizer(optim)
-    graphdef, state = step_lib.init_train_state(model, optimizer, seed=0, mesh=mesh)
-    shardings = step_lib.state_shardings(state) if mesh is not None else None
-    train_step = step_lib.make_train_step(graphdef, loss_cfg, optimizer, microbatches=microbatches, mesh=mesh,
-                                          shardings=shardings, schedule=step_lib.lr_schedule(optim))
-    history = []
-    for _ in range(steps):
-        state, metrics = train_step(state, dict(batch))
-        history.append({k: float(v) for k, v in metrics.items()})
-    return history, jax.tree.map(lambda x: np.asarray(jax.device_get(x)), state.params)
-
-
 def compare_shared(mesh_sizes):
     """Sharded vs one-device train steps on shared-prompt batches, prompts placed with their rows
     (P divisible by the data shards) and replicated (not divisible)."""
@@ -137,16 +139,9 @@ def compare_shared(mesh_sizes):
     out = {"devices": len(jax.devices()), "mesh": dict(mesh.shape), "data_shards": shards, "cases": []}
     for P, G, microbatches in ((shards, 4, 1), (shards // 2, 8, 2)):
         batch = make_shared_batch(P, G, seed=P)
-        ref_hist, ref_params = run_shared_step(batch, None, microbatches)
-        hist, params = run_shared_step(batch, mesh, microbatches)
-        out["cases"].append({
-            "prompts": P, "group": G, "microbatches": microbatches, "prompts_divide": P % shards == 0,
-            "loss": [h["loss"] for h in hist], "ref_loss": [h["loss"] for h in ref_hist],
-            "max_param_diff": max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(ref_params),
-                                                                                jax.tree.leaves(params))),
-            "max_metric_rel_diff": max(abs(h[k] - r[k]) / max(1.0, abs(r[k])) for h, r in zip(hist, ref_hist) for k in r),
-            "param_change": max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(ref_params),
-                                                                              jax.tree.leaves(initial_params(False))))})
+        runs = [run_step(m, microbatches, batch=batch, value_head=False, value_coef=0.0) for m in (None, mesh)]
+        out["cases"].append({"prompts": P, "group": G, "microbatches": microbatches, "prompts_divide": P % shards == 0,
+                             **differences(*runs, value_head=False)})
     return out
 
 
@@ -159,21 +154,14 @@ def initial_params(value_head=True):
 def compare(mesh_sizes):
     from rlcode.sharding import make_mesh, mesh_config
 
-    ref_hist, ref_params, _ = run_step(mesh=None, microbatches=2)
+    ref = run_step(mesh=None, microbatches=2)
     mesh = make_mesh(mesh_config(**mesh_sizes))
-    hist, params, state = run_step(mesh=mesh, microbatches=2)
-    param_diff = max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(ref_params), jax.tree.leaves(params)))
-    metric_diff = max(abs(h[k] - r[k]) / max(1.0, abs(r[k])) for h, r in zip(hist, ref_hist) for k in r)
-    sharded = sum(1 for x in jax.tree.leaves(state.params) if not x.sharding.is_fully_replicated)
+    run = run_step(mesh=mesh, microbatches=2)
     return {
         "devices": len(jax.devices()),
         "mesh": dict(mesh.shape),
-        "loss": [h["loss"] for h in hist],
-        "ref_loss": [h["loss"] for h in ref_hist],
-        "max_param_diff": param_diff,
-        "max_metric_rel_diff": metric_diff,
-        "sharded_params": sharded,
-        "param_change": max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(ref_params), jax.tree.leaves(initial_params()))),
+        "sharded_params": sum(1 for x in jax.tree.leaves(run[2].params) if not x.sharding.is_fully_replicated),
+        **differences(ref, run),
     }
 
 
