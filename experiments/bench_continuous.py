@@ -1,6 +1,7 @@
 """Benchmark: continuous batching in the sampler against the static batch, at equal work.
 
     python -m experiments.bench_continuous                 # the main job's policy after SFT, and widely varying lengths
+    python -m experiments.bench_continuous --publish       # the same into results/ (the README's table)
     python -m experiments.bench_continuous --quick         # small sizes, fresh weights (seconds)
 
 A static batch decodes every row until the longest one ends; with `sampling.slots` = S, S rows
@@ -23,7 +24,6 @@ the speed-up over the static batch. JSON to runs/bench_continuous/ (results/ wit
 from __future__ import annotations
 
 import dataclasses
-import os
 import statistics
 import time
 
@@ -43,10 +43,10 @@ from rlcode.train import loop
 from rlcode.train import sft as sft_lib
 
 DEFAULT_CONFIG = "configs/grpo_synth.py"
-_SLOTS = flags.DEFINE_list("slots", ["8", "16", "32"], "Slot counts to compare with the static batch.")
+_SLOTS = flags.DEFINE_list("slots", ["4", "8", "16"], "Slot counts to compare with the static batch.")
 _POLICY = flags.DEFINE_enum("policy", "sft", ["sft", "fresh"], "Weights of the main-job case.")
 _BATCHES = flags.DEFINE_integer("batches", 4, "Batches (different prompts) per round.")
-_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed rounds.")
+_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed rounds.")
 _CASES = flags.DEFINE_list("cases", ["main_job", "varied"], "Length distributions to run.")
 _QUICK = flags.DEFINE_bool("quick", False, "Small batches, fresh weights, one round (smoke run).")
 _OUT = flags.DEFINE_string("out", None, "JSON output (default runs/bench_continuous/bench_continuous[_quick].json).")
