@@ -38,3 +38,17 @@ def test_unfinished_run_is_refused(tmp_path):
     fake_run(tmp_path / "a", [(0, {"eval/pass@1": 0.1})], completed=False)
     with pytest.raises(ValueError, match="did not complete"):
         summarize_runs.summarize([str(tmp_path / "a")])
+
+
+def test_timing_medians_and_idle_shares(tmp_path):
+    steps = [(s, {"time/step_s": 2.0, "time/sample_s": 0.5, "time/execute_s": 0.5, "time/train_s": 1.0,
+                  "time/wait_for_rollout_s": 1.0}) for s in range(1, 8)]
+    steps[0] = (1, {**steps[0][1], "time/step_s": 30.0, "time/train_s": 29.0})  # a compiling step, left out
+    steps[4] = (5, {**steps[4][1], "time/step_s": 4.0, "time/wait_for_rollout_s": 3.0})
+    fake_run(tmp_path / "a", steps)
+    (row,) = summarize_runs.step_times([str(tmp_path / "a")], skip=1)
+    assert row["steps"] == 6 and row["step_s"] == 2.0 and row["train_s"] == 1.0 and row["wait_for_rollout_s"] == 1.0
+    assert row["idle"] == {"trainer": 0.5, "sampling": 0.75, "grading": 0.75, "sampler": 0.5}
+    assert "| 6 | 2.000 | 0.500 | 0.500 | 1.000 | 1.000 | 50% / 75% / 75% / 50% |" in summarize_runs.timing_markdown([row])
+    with pytest.raises(ValueError, match="no step after step 7"):
+        summarize_runs.step_times([str(tmp_path / "a")], skip=7)
