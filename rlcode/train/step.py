@@ -110,10 +110,19 @@ def make_optimizer(cfg: Any, trainable: Any = None) -> optax.GradientTransformat
     return optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()}, labels)
 
 
+def _batch_axes(mesh: Mesh, rules: Rules) -> tuple[str, ...]:
+    return tuple(a for a in dict(rules).get("batch", ()) if mesh.shape[a] > 1)
+
+
 def batch_sharding(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> NamedSharding:
     """Shard the leading (batch) axis over the mesh axes of the 'batch' rule."""
-    axes = tuple(a for a in dict(rules).get("batch", ()) if mesh.shape[a] > 1)
+    axes = _batch_axes(mesh, rules)
     return NamedSharding(mesh, PartitionSpec(axes if axes else None))
+
+
+def batch_shards(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> int:
+    """How many parts `batch_sharding` splits the leading axis into."""
+    return int(np.prod([mesh.shape[a] for a in _batch_axes(mesh, rules)]))
 
 
 def split_on_mesh(model: nnx.Module, mesh: Mesh | None, rules: Rules = DEFAULT_RULES) -> tuple[nnx.GraphDef, Any]:
@@ -409,8 +418,7 @@ def make_train_step(
     data = batch_sharding(mesh, rules)
     replicated = NamedSharding(mesh, PartitionSpec())
     jitted = jax.jit(step_fn, in_shardings=(shardings, None), out_shardings=(shardings, None), donate_argnums=0)
-    axes = data.spec[0] or ()
-    shards = int(np.prod([mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes)]))
+    shards = batch_shards(mesh, rules)
 
     def sharded_step(state, batch):
         # A batch computed on the mesh by another jitted function (old log-probs, advantages) is

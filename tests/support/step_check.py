@@ -134,8 +134,7 @@ def compare_shared(mesh_sizes):
     from rlcode.train import step as step_lib
 
     mesh = make_mesh(mesh_config(**mesh_sizes))
-    axes = step_lib.batch_sharding(mesh).spec[0] or ()
-    shards = int(np.prod([mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes)]))
+    shards = step_lib.batch_shards(mesh)
     out = {"devices": len(jax.devices()), "mesh": dict(mesh.shape), "data_shards": shards, "cases": []}
     for P, G, microbatches in ((shards, 4, 1), (shards // 2, 8, 2)):
         batch = make_shared_batch(P, G, seed=P)
