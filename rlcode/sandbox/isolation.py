@@ -12,6 +12,9 @@ Process tree of one execution (docs/threat_model.md), all forked, none exec'ing 
             for that one fork), sends W a pidfd of it, reaps it and reports its wait status.
             Every init, and so every program run in place, is a fork of this clean heap: an
             execution cannot read an earlier one's request or output from its own memory.
+            (Exec'd programs' inits come from a lean zygote Z' instead when W preloads modules:
+            a fresh interpreter W starts, running the same zygote code, whose heap never held
+            the preloads or any request.)
             `-- init C = pid 1 of a fresh PID namespace
                   reads its request from a pipe W writes; enters fresh mount, IPC and cgroup
                   namespaces and the worker's network and UTS namespaces (see

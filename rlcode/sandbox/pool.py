@@ -380,6 +380,10 @@ class _Slot:
             self.current = None
             if workdir_lock is not None:
                 workdir_lock.release()
+        if msg[2].get("worker_exiting"):
+            # It answered and exits (it lost a zygote): not sending it the next request, which
+            # could reach it before its exit shows and come back as a second infra result.
+            self._kill_worker()
         fields = ExecResult.__dataclass_fields__
         return ExecResult(**{k: v for k, v in msg[2].items() if k in fields})
 

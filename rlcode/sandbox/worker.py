@@ -8,7 +8,10 @@ its slot's cgroups once, then forks the zygote (see `isolation.py`): a copy of i
 any request arrived, which forks every execution's init. The worker itself forks no execution:
 its heap holds every earlier request and result (freed, not zeroed), and a process forked from it
 could read them. A zygote that dies is never replaced from this heap: the worker answers "infra"
-and exits, and the pool starts a fresh one.
+and exits, and the pool starts a fresh one. When modules are preloaded, exec'd programs get a
+second, lean zygote: a fresh interpreter the worker starts (``--zygote``) that runs the same
+zygote code without the preloads, which an exec'd program never uses but would pay for in every
+fork (page tables, copy-on-write faults, teardown).
 
 For every request the worker hands the zygote the execution's pipes (SCM_RIGHTS) and receives a
 pidfd of the init; it writes the request into the init's request pipe, feeds stdin, reads
@@ -78,6 +81,10 @@ NS_NAMES = {L.CLONE_NEWNS: "mount", L.CLONE_NEWNET: "net", L.CLONE_NEWIPC: "ipc"
 _PID = struct.Struct("!i")
 _DONE = struct.Struct("!iid")
 _FLAG_PIDNS, _FLAG_SETNS = 1, 2
+
+
+# Where the rlcode package is imported from: the lean zygote is started there.
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class ZygoteLost(Exception):
@@ -277,14 +284,18 @@ class Worker:
                     dirs.append((h, d))
             self.cgroup = cg_lib.SlotCgroup(dirs)
         self._me = frozenset({os.getpid()})  # processes of ours in the slot's cgroups
-        self._zygote: tuple[int, socket.socket] | None = None
+        # Zygotes by kind: "warm" forks the inits of in-place executions (and of all of them when
+        # nothing is preloaded); "lean", a fresh interpreter holding none of the preloads, those
+        # of exec'd programs (`_kind`). `_active`: the kind serving the current execution.
+        self._zygotes: dict[str, tuple[int, socket.socket]] = {}
+        self._active = "warm"
         self._templates: dict[tuple, tuple] = {}  # view rules -> (mount namespace, /tmp rules)
         self._mount_api: bool | None = False if "template" in cfg.get("disable", ()) else None
         # A fault for tests of the probe: a zygote forked anew before every execution, from a
         # heap that holds the earlier requests and results.
         self._fresh_zygotes = "zygote" in cfg.get("disable", ())
         self.stop_requested = False
-        self._pending: tuple[int, int] | None = None  # (pid, pidfd) of an init not yet reaped
+        self._pending: tuple[int, int, str] | None = None  # (pid, pidfd, zygote kind) of an init not yet reaped
         self.preloaded = []
         for mod in cfg.get("preload", ()):
             try:
@@ -313,7 +324,9 @@ class Worker:
         self.finish_pending()
         self._stop_zygote()
         self._drop_templates()  # made for the plans tried above
-        self._start_zygote()
+        self._start_zygote("warm")
+        if self.preloaded:
+            self._start_zygote("lean")
 
     # ------------------------------------------------------------------------------------------
     # deciding what works here
@@ -586,7 +599,24 @@ class Worker:
     # ------------------------------------------------------------------------------------------
     # the zygote
 
-    def _start_zygote(self) -> None:
+    @property
+    def _zygote(self) -> tuple[int, socket.socket] | None:
+        """(pid, socket) of the zygote serving the current execution, if it runs."""
+        return self._zygotes.get(self._active)
+
+    def _kind(self, req: dict) -> str:
+        """Which zygote forks this request's init. An exec'd program gains nothing from the
+        preloaded modules, but forking them (twice per execution: the init, then the program)
+        costs page-table copies, copy-on-write faults and teardown in proportion to the heap
+        they fill: with pytest preloaded that made exec'd executions about 20% slower
+        (experiments/bench_sandbox.py, case python_min)."""
+        return "lean" if self.preloaded and req.get("inprocess_code") is None else "warm"
+
+    def _start_zygote(self, kind: str) -> None:
+        """Start the zygote of `kind`: "warm" is forked from this heap (every preload in it, no
+        request yet); "lean" is a fresh interpreter (``python -s -m rlcode.sandbox.worker
+        --zygote``) running the same `_zygote_main`, started from here so that it inherits the
+        worker's namespaces, credentials, session keyring and cgroups, and nothing else."""
         isolation.note_project_modules()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         me = os.getpid()
@@ -594,28 +624,35 @@ class Worker:
         if pid == 0:
             try:
                 ours.close()
+                if kind == "lean":
+                    keep = (theirs.fileno(), self.self_pidns)
+                    for fd in keep:
+                        os.set_inheritable(fd, True)
+                    python = sys.executable
+                    os.chdir(_PACKAGE_ROOT)
+                    os.execve(python, [python, "-s", "-m", "rlcode.sandbox.worker", "--zygote", *map(str, keep),
+                                       str(me)], {k: v for k, v in os.environ.items() if k in ("PATH", "LANG")})
                 _zygote_main(theirs, self.self_pidns, me)
             finally:
                 os._exit(1)
         theirs.close()
-        self._zygote = (pid, ours)
-        self._me = frozenset({me, pid})
+        self._zygotes[kind] = (pid, ours)
+        self._me = frozenset({me, *(p for p, _ in self._zygotes.values())})
 
     def _stop_zygote(self) -> None:
-        if self._zygote is None:
-            return
-        pid, sock = self._zygote
-        self._zygote = None
+        """End every zygote (an init not reaped yet dies with its zygote: PDEATHSIG)."""
+        zygotes, self._zygotes = self._zygotes, {}
         self._me = frozenset({os.getpid()})
-        sock.close()
-        if self._pending is not None:  # its init dies with the zygote (PDEATHSIG)
+        if self._pending is not None:
             os.close(self._pending[1])
             self._pending = None
-        try:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        except (ProcessLookupError, ChildProcessError):
-            pass
+        for pid, sock in zygotes.values():
+            sock.close()
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
 
     def _lose_zygote(self) -> None:
         """The zygote is gone or confused: end it, answer, then exit (see the module docstring)."""
@@ -646,7 +683,7 @@ class Worker:
         answer is not awaited (the worker goes on feeding the execution meanwhile): `_spawned`
         reads it into `init` ([pid, pidfd]) when it is needed or arrives."""
         if self._zygote is None:
-            self._start_zygote()
+            self._start_zygote(self._active)
         flags = (_FLAG_PIDNS if self.plan.pidns else 0) | (
             _FLAG_SETNS if self.plan.pidns and self.plan.pidns_setns else 0)
         try:
@@ -794,6 +831,7 @@ class Worker:
         self.finish_pending()
         if self._fresh_zygotes:
             self._stop_zygote()  # `_spawn` starts the next one
+        self._active = self._kind(req)
         self._clear_network()
         plan = self.plan
         limits = req["limits"]
@@ -804,7 +842,7 @@ class Worker:
         owned: set[int] = set()
         init: list = []  # [pid, pidfd] of the init once the zygote has answered
         try:
-            if self.stop_requested and self._zygote is None:
+            if self.stop_requested and not self._zygotes:
                 raise ZygoteLost("the zygote was lost earlier")
             ns = list(self.ns_fds.items())
             template, tmp_rules = self._view(req) if plan.fs else (None, [])
@@ -885,7 +923,7 @@ class Worker:
                 if init and init[1] in owned:
                     self._hard_kill(init[1])
                     owned.discard(init[1])
-                    self._pending = (init[0], init[1])
+                    self._pending = (init[0], init[1], self._active)
             for fd in owned:
                 try:
                     os.close(fd)
@@ -903,7 +941,7 @@ class Worker:
         after the reply; SIGKILL it if it lingers."""
         if self._pending is None:
             return
-        pid, pidfd = self._pending
+        pid, pidfd, self._active = self._pending
         self._pending = None
         try:
             if self._await_init(pid, DRAIN_SECONDS) is None:
@@ -1058,7 +1096,7 @@ class Worker:
             # Every process of the program is gone and the working copy is back; only the
             # init's own exit (and the teardown of its namespaces) is left: after the reply.
             owned.discard(pidfd)
-            self._pending = (pid, pidfd)
+            self._pending = (pid, pidfd, self._active)
         else:
             done = self._await_init(pid, DRAIN_SECONDS)
             if done is None:
@@ -1152,6 +1190,8 @@ def serve(sock: socket.socket, parent_pid: int) -> None:
             return
         if msg[0] == "run":
             res = worker.execute(msg[1], control=sock, job_id=msg[2])
+            if worker.stop_requested:  # e.g. a zygote was lost: the pool replaces us before its next request
+                res["worker_exiting"] = True
             try:
                 _wire.send(sock, ("result", msg[2], res))
             except OSError:
@@ -1175,6 +1215,10 @@ def oneshot() -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--oneshot"]:
         oneshot()
+    elif sys.argv[1:2] == ["--zygote"]:  # the lean zygote (`Worker._start_zygote`)
+        sock_fd, pidns_fd, parent = map(int, sys.argv[2:5])
+        gc.freeze()
+        _zygote_main(socket.socket(fileno=sock_fd), pidns_fd, parent)
     else:
         fd, parent = int(os.environ.pop("RLCODE_SANDBOX_FD")), int(os.environ.pop("RLCODE_SANDBOX_PARENT"))
         serve(socket.socket(fileno=fd), parent)

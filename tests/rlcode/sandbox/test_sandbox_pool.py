@@ -171,6 +171,64 @@ def test_run_python_fresh_interpreter_and_in_place(pool):
     assert a.ok and b.ok and a.stdout != b.stdout
 
 
+
+def _zygotes(worker: int) -> dict[int, bool]:
+    """The worker's children (its zygotes between executions): pid -> whether it is the lean one."""
+    kids = []
+    for task in os.listdir(f"/proc/{worker}/task"):
+        with open(f"/proc/{worker}/task/{task}/children") as f:
+            kids += [int(c) for c in f.read().split()]
+    return {pid: b"--zygote" in open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0") for pid in kids}
+
+
+def _reaped_faults(pid: int) -> int:
+    """Minor faults of the reaped children of `pid` (cminflt): what its inits cost, programs
+    included, once the last one is reaped (a zygote reaps an init after the reply went out)."""
+    def read() -> int:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[8])
+    last, end = read(), time.monotonic() + 5
+    while time.monotonic() < end:
+        time.sleep(0.2)
+        now = read()
+        if now == last:
+            break
+        last = now
+    return last
+
+
+@pytest.mark.slow
+def test_exec_and_in_place_executions_come_from_their_own_zygotes():
+    """With modules preloaded (pytest, the default) a worker keeps two zygotes: one forked from its
+    warm heap, for in-place executions, and a lean one, a fresh interpreter (``--zygote``), for
+    exec'd programs, which gain nothing from the preloads but would pay for forking them. Each
+    execution's init comes from its mode's zygote (seen in the minor faults of each zygote's
+    reaped children), and the lean zygote's loss is the worker's, as the warm one's: an infra
+    result, then a fresh worker."""
+    with SandboxPool(1, LIMITS, uid_base=UID_BASE + 13) as p:
+        worker = p.worker_pids()[0]
+        zygotes = _zygotes(worker)
+        assert sorted(zygotes.values()) == [False, True], zygotes
+        lean = next(pid for pid, is_lean in zygotes.items() if is_lean)
+        warm = next(pid for pid, is_lean in zygotes.items() if not is_lean)
+        runs = {lean: lambda: p.run([p.python, "-I", "-S", "-c", "print(1)"]),
+                warm: lambda: p.run_python("print(1)", inprocess=True)}
+        for serving, run in runs.items():
+            other = warm if serving == lean else lean
+            before = {z: _reaped_faults(z) for z in zygotes}
+            for _ in range(3):
+                assert run().stdout == b"1\n"
+            assert _reaped_faults(serving) - before[serving] >= 300, serving
+            assert _reaped_faults(other) == before[other], other
+        assert b"pytest" not in open(f"/proc/{lean}/cmdline", "rb").read()
+        assert p.run_python("import sys; print('pytest' in sys.modules)", inprocess=True).stdout == b"True\n"
+        os.kill(lean, signal.SIGKILL)
+        r = p.run(["true"])
+        assert r.status == "infra" and "zygote" in r.info, r
+        assert p.run(["true"]).ok and p.run_python("print(2)", inprocess=True).stdout == b"2\n"
+        assert p.worker_pids() != [worker]
+        assert sorted(_zygotes(p.worker_pids()[0]).values()) == [False, True]
+
 def test_programs_start_with_default_signal_dispositions(pool):
     """No signal ignored, blocked or caught when a program starts, in either mode (the worker's
     Python ignores SIGPIPE and SIGXFSZ, and an ignored signal survives execve: the zygote resets
