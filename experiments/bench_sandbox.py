@@ -41,7 +41,10 @@ the JSON's rows.
 back to back): the pool's own process (client and pool threads), the worker (fork server), the
 zygote (which forks each init), and the inits with their programs (the zygote's reaped children),
 in milliseconds and minor page faults per execution, from /proc and getrusage, for `print(1)` run
-in place and exec'd as `python -I -S`.
+in place and exec'd as `python -I -S`; and the floor of any design that forks the warm worker
+(`fork_floor`): an interpreter warmed as a worker is (pytest imported and run once, heap frozen)
+forking a child that exits at once and reaping it, and the same with a grandchild (the two
+nested forks of a sandboxed execution, zygote -> init -> program), with nothing else.
 """
 
 from __future__ import annotations
@@ -283,9 +286,23 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def _zygote(worker: int, lean: bool) -> int:
+    """The zygote of `worker` that forks in-place executions (lean False) or exec'd ones (lean
+    True). Between executions the worker's children are its zygotes: one forked from the worker,
+    and, when it preloads modules, a lean one (a fresh interpreter started with --zygote) for
+    exec'd programs."""
+    zygotes = {pid: b"--zygote" in open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+               for pid in _children(worker)}
+    if not 1 <= len(zygotes) <= 2 or sum(zygotes.values()) != len(zygotes) - 1:
+        raise RuntimeError(f"expected the worker's children to be its zygotes, found {zygotes}")
+    wanted = [pid for pid, is_lean in zygotes.items() if is_lean == (lean and len(zygotes) == 2)]
+    return wanted[0]
+
+
 def profile(pool: SandboxPool, n: int) -> list[dict]:
     """Per process of a one-worker pool: CPU ms and minor faults per execution of `print(1)`, run
-    in place and exec'd as `python -I -S`, n executions back to back."""
+    in place and exec'd as `python -I -S`, n executions back to back; "zygote" is the zygote that
+    served the mode (`_zygote`)."""
     worker = pool.worker_pids()[0]
     runs = {"inprocess": lambda: pool.run_python("print(1)", inprocess=True),
             "exec_python_min": lambda: pool.run([pool.python, "-I", "-S", "-c", "print(1)"])}
@@ -293,10 +310,7 @@ def profile(pool: SandboxPool, n: int) -> list[dict]:
     for mode, fn in runs.items():
         for _ in range(5):
             fn()  # warm
-        zygotes = _children(worker)  # between executions the zygote is the worker's only child
-        if len(zygotes) != 1:
-            raise RuntimeError(f"expected the worker to have one child (its zygote), found {zygotes}")
-        zygote = zygotes[0]
+        zygote = _zygote(worker, lean=mode != "inprocess")
         w0, z0, s0 = _proc_counters(worker), _proc_counters(zygote), resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.perf_counter()
         for _ in range(n):
@@ -316,6 +330,51 @@ def profile(pool: SandboxPool, n: int) -> list[dict]:
         for role, (cpu, faults) in roles.items():
             rows.append(dict(mode=mode, role=role, cpu_ms=per(cpu), faults=faults / n, share=cpu / total if total else 0.0,
                              wall_ms=per(wall), n=n))
+    return rows
+
+
+_FORK_FLOOR = r"""
+import gc, json, os, resource, sys, tempfile, time
+from rlcode.sandbox import worker
+worker._warm_pytest(tempfile.gettempdir())
+gc.freeze()
+n = int(sys.argv[1])
+out = []
+for depth in (1, 2):
+    s0, c0, t0 = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+    for _ in range(n):
+        pid = os.fork()
+        if pid == 0:
+            if depth == 2:
+                child = os.fork()
+                if child == 0:
+                    os._exit(0)
+                os.waitpid(child, 0)
+            os._exit(0)
+        os.waitpid(pid, 0)
+    wall = time.perf_counter() - t0
+    s1, c1 = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    for role, a, b in (("parent", s0, s1), ("children", c0, c1)):
+        out.append({"depth": depth, "role": role, "cpu": b.ru_utime + b.ru_stime - a.ru_utime - a.ru_stime,
+                    "faults": b.ru_minflt - a.ru_minflt, "wall": wall})
+print(json.dumps(out))
+"""
+
+
+def fork_floor(n: int, package_root: str) -> list[dict]:
+    """CPU ms and minor faults per execution of the bare forks of a warm worker's interpreter
+    (one child; a child and a grandchild), n of each back to back, in rows like `profile`'s."""
+    out = subprocess.run([sys.executable, "-s", "-c", _FORK_FLOOR, str(n)], cwd=package_root, check=True,
+                         capture_output=True, text=True)
+    measured = json.loads(out.stdout)
+    rows = []
+    for depth in (1, 2):
+        mine = [m for m in measured if m["depth"] == depth]
+        total = sum(m["cpu"] for m in mine)
+        mode = "fork_floor_" + ("one" if depth == 1 else "two")
+        for m in mine:
+            rows.append(dict(mode=mode, role=m["role"], cpu_ms=1e3 * m["cpu"] / n, faults=m["faults"] / n,
+                             share=m["cpu"] / total if total else 0.0, wall_ms=1e3 * m["wall"] / n, n=n))
     return rows
 
 
@@ -411,13 +470,15 @@ def main(argv):
     if _PROFILE.value:
         with SandboxPool(1, LIMITS) as pool:
             prof = profile(pool, 40 if quick else 600)
+        prof += fork_floor(40 if quick else 600, package_root)
         print(f"\n{'mode':16s} {'process':17s} {'CPU ms/exec':>11s} {'share':>6s} {'faults/exec':>11s}")
         for r in prof:
             print(f"{r['mode']:16s} {r['role']:17s} {r['cpu_ms']:11.2f} {r['share']:6.0%} {r['faults']:11.0f}")
         for mode in dict.fromkeys(r["mode"] for r in prof):
             mine = [r for r in prof if r["mode"] == mode]
             print(f"{mode}: {sum(r['cpu_ms'] for r in mine):.2f} ms CPU per execution in all, "
-                  f"{mine[0]['wall_ms']:.2f} ms wall (one worker, back to back)")
+                  f"{mine[0]['wall_ms']:.2f} ms wall (" + ("bare forks of a warm interpreter" if mode.startswith("fork_floor")
+                                                             else "one worker") + ", back to back)")
     record = dict(
         rows=rows, profile=prof, quick=quick, rounds=_ROUNDS.value, limits=LIMITS.to_dict(), guarantees=guarantees,
         machine=dict(cpus=os.cpu_count(), kernel=platform.release(), python=platform.python_version(),

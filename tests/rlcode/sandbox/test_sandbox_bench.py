@@ -34,9 +34,14 @@ def test_bench_sandbox_quick(tmp_path):
     prof = result["profile"]
     assert {(r["mode"], r["role"]) for r in prof} == {
         (m, role) for m in ("inprocess", "exec_python_min")
-        for role in ("pool process", "worker", "zygote", "inits + programs")}
-    for mode in ("inprocess", "exec_python_min"):
+        for role in ("pool process", "worker", "zygote", "inits + programs")} | {
+        (m, role) for m in ("fork_floor_one", "fork_floor_two") for role in ("parent", "children")}
+    for mode in ("inprocess", "exec_python_min", "fork_floor_one", "fork_floor_two"):
         rows = {r["role"]: r for r in prof if r["mode"] == mode}
         assert abs(sum(r["share"] for r in rows.values()) - 1.0) < 1e-6
-        assert rows["inits + programs"]["cpu_ms"] > 0 and rows["inits + programs"]["faults"] > 0
+        forked = rows.get("inits + programs", rows.get("children"))
+        assert forked["cpu_ms"] > 0 and forked["faults"] > 0
+    # A grandchild as well faults in about twice the pages of one child.
+    kids = {r["mode"]: r["faults"] for r in prof if r["role"] == "children"}
+    assert 1.5 < kids["fork_floor_two"] / kids["fork_floor_one"] < 3.0, kids
     assert "ms CPU per execution in all" in out.stdout
