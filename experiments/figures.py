@@ -594,8 +594,8 @@ FIGURES: dict[str, FigureSpec] = {f.name: f for f in (
         lambda d, out: plot_training.draw_series(d["docs/figures/grpo_synth.json"], out),
         "GRPO on program synthesis, 3 seeds (thin lines) and their mean (thick): pass@1 and best-of-16 on held-out "
         "behaviours (eval/) and on new tasks of the training distribution (eval_fresh/) through RL, the training "
-        "pass rate and the KL to the reference; best-of-16 not collapsing is the check. Seed 1 was started with "
-        "--config.loss.kl_coef=0.2 --config.task.num_fresh=64 before these became the defaults.",
+        "pass rate and the KL to the reference; best-of-16 not collapsing is the check. The three seeds ran the "
+        "same command, with the initialisation fixed (every projection at std 1/sqrt(fan-in)).",
         (TRAIN_SYNC, SUMMARIZE_SYNC, PLOT_SYNC), extra=("results/grpo_synth.json",),
         notes=_grpo_notes("results/grpo_synth.json")),
     FigureSpec(
@@ -609,7 +609,9 @@ FIGURES: dict[str, FigureSpec] = {f.name: f for f in (
         "grpo_synth_async", ("docs/figures/grpo_synth_async.json",),
         lambda d, out: plot_training.draw_series(d["docs/figures/grpo_synth_async.json"], out),
         "Sync vs async rollouts (--config.rollout.async=True, max_staleness 1), seeds 0 and 1: eval_fresh/ pass@1 and "
-        "best-of-16 and the training pass rate, one line per run (no mean: two configurations).",
+        "best-of-16 and the training pass rate, one line per run (no mean: two configurations). These four runs "
+        "predate the initialisation fix and have not been re-measured (the sync seeds of the grpo_synth figure are "
+        "newer runs).",
         (TRAIN_SYNC_01, TRAIN_ASYNC, SUMMARIZE_ASYNC, PLOT_ASYNC), extra=("results/grpo_synth_async.json",),
         notes=_grpo_notes("results/grpo_synth_async.json")),
     FigureSpec(
