@@ -100,6 +100,33 @@ def _same_run(report: dict, cfg: Any, steps: int) -> bool:
             and same(dict(saved.get("optim") or {}, total_steps=steps), dict(want["optim"], total_steps=steps)))
 
 
+def _data_differs(committed: str, cfg: Any) -> str | None:
+    """Why the committed base in `committed` was not trained on the corpus and tokenizer `cfg`
+    names as they are prepared here, or None when they are the same: the splits' files and bytes
+    of the corpus report against the base's pretrain.json, and the tokenizer's content. (The same
+    config paths hold a different corpus when, e.g., it was prepared without the mined projects.)"""
+    from rlcode.train import pretrain  # noqa: PLC0415
+
+    def load(path: str) -> Any:
+        try:
+            with open(path, encoding="utf-8") as f:
+                return json.load(f)
+        except (OSError, ValueError) as e:
+            return f"unreadable ({e})"
+
+    ours = load(os.path.join(cfg.data.corpus_dir, "report.json"))
+    theirs = load(os.path.join(committed, pretrain.REPORT))
+    ours = ours.get("splits") if isinstance(ours, dict) else ours
+    theirs = (theirs.get("corpus") or {}).get("splits") if isinstance(theirs, dict) else theirs
+    if ours != theirs:
+        return f"the corpus in {cfg.data.corpus_dir} has splits {ours}, the committed base's had {theirs}"
+    if cfg.tokenizer != "byte":
+        path = cfg.tokenizer if cfg.tokenizer.endswith(".json") else os.path.join(cfg.tokenizer, "tokenizer.json")
+        if load(path) != load(os.path.join(committed, "tokenizer.json")):
+            return f"the tokenizer {path} differs from the committed base's"
+    return None
+
+
 def _completed(summary_path: str) -> bool:
     """The run whose summary.json is `summary_path` finished (a missing or torn file: no)."""
     try:
@@ -119,6 +146,12 @@ def make_base(steps: int, args: argparse.Namespace, cfg: Any, say=print) -> str:
     if steps > 0 and os.path.exists(report_path):
         with open(report_path, encoding="utf-8") as f:
             if _same_run(json.load(f), cfg, steps):
+                why = _data_differs(args.committed, cfg)
+                if why is not None:
+                    # Every budget must see the same tokens: the others would be trained and
+                    # measured on this corpus, the committed base was not.
+                    raise SystemExit(f"budget {steps}: {why}; prepare the corpus the base was trained on "
+                                     "(python -m experiments.prepare_mined, then python -m experiments.prepare_corpus)")
                 say(f"budget {steps}: the committed base {args.committed}")
                 return args.committed
     workdir = os.path.join(args.out, f"pretrain_{steps}")

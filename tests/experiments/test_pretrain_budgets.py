@@ -61,3 +61,38 @@ def test_the_committed_base_is_reused_only_for_its_own_config_and_steps(tmp_path
     assert not pretrain_budgets._same_run(report, other, 1200)
     other = pretrain_budgets.pretrain_config("configs/pretrain_code.py", ["data.seq_len=512", "optim.lr=0.01"])
     assert not pretrain_budgets._same_run(report, other, 1200)
+
+
+def test_the_committed_base_is_refused_when_the_prepared_corpus_or_tokenizer_differs(tmp_path):
+    """The config's paths are the same whatever was prepared there: a corpus prepared without the
+    mined projects has other splits and another tokenizer than the committed base's. The budgets
+    would then be trained and measured on different tokens, so the base is refused, not reused."""
+    cfg = pretrain_budgets.pretrain_config("configs/pretrain_code.py", [f"data.corpus_dir={tmp_path / 'corpus'}",
+                                                                        f"tokenizer={tmp_path / 'corpus' / 'tokenizer'}"])
+    splits = {"train": {"files": 724, "bytes": 11846142}, "heldout": {"files": 33, "bytes": 456842}}
+    tok = {"model": {"type": "BPE", "vocab": {"a": 0, "b": 1}, "merges": []}, "added_tokens": []}
+    committed = tmp_path / "base"
+    (tmp_path / "corpus" / "tokenizer").mkdir(parents=True)
+    committed.mkdir()
+    (committed / pretrain.REPORT).write_text(json.dumps({"corpus": {"splits": splits}}))
+    (committed / "tokenizer.json").write_text(json.dumps(tok))
+    (tmp_path / "corpus" / "report.json").write_text(json.dumps({"splits": splits}, indent=2))
+    (tmp_path / "corpus" / "tokenizer" / "tokenizer.json").write_text(json.dumps(tok, indent=2))
+    assert pretrain_budgets._data_differs(str(committed), cfg) is None  # formatting aside, the same
+    stdlib_only = {"train": {"files": 699, "bytes": 11698277}, "heldout": {"files": 31, "bytes": 420229}}
+    (tmp_path / "corpus" / "report.json").write_text(json.dumps({"splits": stdlib_only}))
+    assert "has splits" in pretrain_budgets._data_differs(str(committed), cfg)
+    (tmp_path / "corpus" / "report.json").write_text(json.dumps({"splits": splits}))
+    (tmp_path / "corpus" / "tokenizer" / "tokenizer.json").write_text(
+        json.dumps(dict(tok, model=dict(tok["model"], vocab={"a": 0, "c": 1}))))
+    assert "tokenizer" in pretrain_budgets._data_differs(str(committed), cfg)
+    os.remove(tmp_path / "corpus" / "report.json")
+    assert "unreadable" in pretrain_budgets._data_differs(str(committed), cfg)
+    # Wired into make_base: a committed base of the same config and steps is refused for it.
+    (tmp_path / "corpus" / "report.json").write_text(json.dumps({"splits": stdlib_only}))
+    config = dict(cfg.to_dict())
+    config["train"] = dict(config["train"], steps=1200)
+    (committed / pretrain.REPORT).write_text(json.dumps({"step": 1200, "config": config, "corpus": {"splits": splits}}))
+    args = pretrain_budgets.parse_args([f"--committed={committed}", f"--out={tmp_path / 'out'}"])
+    with pytest.raises(SystemExit, match="prepare_mined"):
+        pretrain_budgets.make_base(1200, args, cfg, say=lambda _: None)
