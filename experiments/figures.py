@@ -609,9 +609,7 @@ FIGURES: dict[str, FigureSpec] = {f.name: f for f in (
         "grpo_synth_async", ("docs/figures/grpo_synth_async.json",),
         lambda d, out: plot_training.draw_series(d["docs/figures/grpo_synth_async.json"], out),
         "Sync vs async rollouts (--config.rollout.async=True, max_staleness 1), seeds 0 and 1: eval_fresh/ pass@1 and "
-        "best-of-16 and the training pass rate, one line per run (no mean: two configurations). These four runs "
-        "predate the initialisation fix and have not been re-measured (the sync seeds of the grpo_synth figure are "
-        "newer runs).",
+        "best-of-16 and the training pass rate, one line per run (no mean: two configurations).",
         (TRAIN_SYNC_01, TRAIN_ASYNC, SUMMARIZE_ASYNC, PLOT_ASYNC), extra=("results/grpo_synth_async.json",),
         notes=_grpo_notes("results/grpo_synth_async.json")),
     FigureSpec(
