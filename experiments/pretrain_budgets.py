@@ -90,14 +90,22 @@ def _same_run(report: dict, cfg: Any, steps: int) -> bool:
     """The base of pretrain.json `report` was trained by `cfg` for `steps` steps: the same
     deciding fields, the same steps and micro-batches (run directory, resumes and checkpointing
     aside)."""
+    from rlcode.train.workdir import config_changes  # noqa: PLC0415
+
     saved = report.get("config") or {}
     want = cfg.to_dict()
-    same = lambda a, b: json.dumps(a, sort_keys=True, default=str) == json.dumps(b, sort_keys=True, default=str)
     train = saved.get("train") or {}
+
+    def deciding(c: dict) -> dict:
+        out = {k: c.get(k) for k in DECIDING}
+        out["optim"] = dict(out.get("optim") or {}, total_steps=steps)
+        return out
+
+    # Fields added to the config since the base was trained count as the same at their neutral
+    # values (`rlcode.train.workdir.ADDED_FIELDS`, as for resuming a run).
     return (report.get("step") == steps and train.get("steps") == steps
             and train.get("microbatches") == want["train"]["microbatches"]
-            and all(same(saved.get(k), want.get(k)) for k in DECIDING if k != "optim")
-            and same(dict(saved.get("optim") or {}, total_steps=steps), dict(want["optim"], total_steps=steps)))
+            and not config_changes(deciding(saved), deciding(want)))
 
 
 def _data_differs(committed: str, cfg: Any) -> str | None:
