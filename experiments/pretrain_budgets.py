@@ -108,12 +108,12 @@ def _same_run(report: dict, cfg: Any, steps: int) -> bool:
             and not config_changes(deciding(saved), deciding(want)))
 
 
-def _data_differs(committed: str, cfg: Any) -> str | None:
-    """Why the committed base in `committed` was not trained on the corpus and tokenizer `cfg`
-    names as they are prepared here, or None when they are the same: the splits' files and bytes
-    of the corpus report against the base's pretrain.json, and the tokenizer's content. (The same
-    config paths hold a different corpus when, e.g., it was prepared without the mined projects.)"""
-    from rlcode.train import pretrain  # noqa: PLC0415
+def _data_differs(report: dict, committed: str, cfg: Any) -> str | None:
+    """Why the committed base in `committed` (its pretrain.json: `report`) was not trained on the
+    corpus and tokenizer `cfg` names as they are prepared here, or None when they are the same:
+    the splits' files and bytes of the corpus report against the base's, and the tokenizer's
+    content. (The same config paths hold a different corpus when, e.g., it was prepared without
+    the mined projects.)"""
 
     def load(path: str) -> Any:
         try:
@@ -123,13 +123,13 @@ def _data_differs(committed: str, cfg: Any) -> str | None:
             return f"unreadable ({e})"
 
     ours = load(os.path.join(cfg.data.corpus_dir, "report.json"))
-    theirs = load(os.path.join(committed, pretrain.REPORT))
     ours = ours.get("splits") if isinstance(ours, dict) else ours
-    theirs = (theirs.get("corpus") or {}).get("splits") if isinstance(theirs, dict) else theirs
+    theirs = (report.get("corpus") or {}).get("splits")
     if ours != theirs:
         return f"the corpus in {cfg.data.corpus_dir} has splits {ours}, the committed base's had {theirs}"
     if cfg.tokenizer != "byte":
-        path = cfg.tokenizer if cfg.tokenizer.endswith(".json") else os.path.join(cfg.tokenizer, "tokenizer.json")
+        # A directory holds its tokenizer.json, as `rlcode.tokenizer.load_tokenizer` reads it.
+        path = os.path.join(cfg.tokenizer, "tokenizer.json") if os.path.isdir(cfg.tokenizer) else cfg.tokenizer
         if load(path) != load(os.path.join(committed, "tokenizer.json")):
             return f"the tokenizer {path} differs from the committed base's"
     return None
@@ -153,15 +153,16 @@ def make_base(steps: int, args: argparse.Namespace, cfg: Any, say=print) -> str:
     report_path = os.path.join(args.committed, pretrain.REPORT)
     if steps > 0 and os.path.exists(report_path):
         with open(report_path, encoding="utf-8") as f:
-            if _same_run(json.load(f), cfg, steps):
-                why = _data_differs(args.committed, cfg)
-                if why is not None:
-                    # Every budget must see the same tokens: the others would be trained and
-                    # measured on this corpus, the committed base was not.
-                    raise SystemExit(f"budget {steps}: {why}; prepare the corpus the base was trained on "
-                                     "(python -m experiments.prepare_mined, then python -m experiments.prepare_corpus)")
-                say(f"budget {steps}: the committed base {args.committed}")
-                return args.committed
+            report = json.load(f)
+        if _same_run(report, cfg, steps):
+            why = _data_differs(report, args.committed, cfg)
+            if why is not None:
+                # Every budget must see the same tokens: the others would be trained and
+                # measured on this corpus, the committed base was not.
+                raise SystemExit(f"budget {steps}: {why}; prepare the corpus the base was trained on "
+                                 "(python -m experiments.prepare_mined, then python -m experiments.prepare_corpus)")
+            say(f"budget {steps}: the committed base {args.committed}")
+            return args.committed
     workdir = os.path.join(args.out, f"pretrain_{steps}")
     base = os.path.join(workdir, pretrain.BASE_DIR)
     if steps == 0:

@@ -82,20 +82,21 @@ def test_the_committed_base_is_refused_when_the_prepared_corpus_or_tokenizer_dif
     committed = tmp_path / "base"
     (tmp_path / "corpus" / "tokenizer").mkdir(parents=True)
     committed.mkdir()
-    (committed / pretrain.REPORT).write_text(json.dumps({"corpus": {"splits": splits}}))
+    report = {"corpus": {"splits": splits}}
+    (committed / pretrain.REPORT).write_text(json.dumps(report))
     (committed / "tokenizer.json").write_text(json.dumps(tok))
     (tmp_path / "corpus" / "report.json").write_text(json.dumps({"splits": splits}, indent=2))
     (tmp_path / "corpus" / "tokenizer" / "tokenizer.json").write_text(json.dumps(tok, indent=2))
-    assert pretrain_budgets._data_differs(str(committed), cfg) is None  # formatting aside, the same
+    assert pretrain_budgets._data_differs(report, str(committed), cfg) is None  # formatting aside, the same
     stdlib_only = {"train": {"files": 699, "bytes": 11698277}, "heldout": {"files": 31, "bytes": 420229}}
     (tmp_path / "corpus" / "report.json").write_text(json.dumps({"splits": stdlib_only}))
-    assert "has splits" in pretrain_budgets._data_differs(str(committed), cfg)
+    assert "has splits" in pretrain_budgets._data_differs(report, str(committed), cfg)
     (tmp_path / "corpus" / "report.json").write_text(json.dumps({"splits": splits}))
     (tmp_path / "corpus" / "tokenizer" / "tokenizer.json").write_text(
         json.dumps(dict(tok, model=dict(tok["model"], vocab={"a": 0, "c": 1}))))
-    assert "tokenizer" in pretrain_budgets._data_differs(str(committed), cfg)
+    assert "tokenizer" in pretrain_budgets._data_differs(report, str(committed), cfg)
     os.remove(tmp_path / "corpus" / "report.json")
-    assert "unreadable" in pretrain_budgets._data_differs(str(committed), cfg)
+    assert "unreadable" in pretrain_budgets._data_differs(report, str(committed), cfg)
     # Wired into make_base: a committed base of the same config and steps is refused for it.
     (tmp_path / "corpus" / "report.json").write_text(json.dumps({"splits": stdlib_only}))
     config = dict(cfg.to_dict())
