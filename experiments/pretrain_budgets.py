@@ -23,7 +23,8 @@ Writes ``<out>/pretrain_budgets.json`` (per budget: its directory, steps, held-o
 the SFT start's and the final evaluation's ``eval/`` and ``eval_fresh/`` pass@1 and best-of-n,
 from each run's summary.json) and ``<out>/pretrain_budgets.png``: held-out bits per byte against
 post-RL pass@1 and best-of-n (n = 16 by default), a point per seed, the seeds' mean joined across
-budgets, the SFT start as hollow markers. ``--publish`` writes the two into results/ and docs/figures/
+budgets, the SFT start as hollow markers; ``<out>/pretrain_budgets.md``, the table (mean ± std over
+the seeds, start -> after RL, every metric). ``--publish`` writes them into results/ and docs/figures/
 instead (committed evidence).
 """
 
@@ -221,6 +222,27 @@ def collect(args: argparse.Namespace, budgets: list[dict], rl_data: dict) -> dic
             "rl_command": rl_data.get("command"), "metrics": metrics, "best_of": best}
 
 
+def table(data: dict) -> str:
+    """Markdown: per budget its held-out bpb, completed seeds and, for each metric, the mean ± sample
+    std over those seeds of the SFT start -> after RL (one seed: its values)."""
+    import numpy as np  # noqa: PLC0415
+
+    def stat(values):
+        values = [v for v in values if v is not None]
+        if not values:
+            return "n/a"
+        return f"{np.mean(values):.3f}" + (f" ± {np.std(values, ddof=1):.3f}" if len(values) > 1 else "")
+
+    head = ["pretraining steps", "held-out bpb", "seeds"] + [f"{m} start -> end" for m in data["metrics"]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for b in data["budgets"]:
+        done = [r for r in b["runs"] if r["completed"]]
+        cells = [str(b["steps"]), f"{b['heldout_bpb']:.3f}", str(len(done))]
+        cells += [f"{stat(r['start'][m] for r in done)} -> {stat(r['final'][m] for r in done)}" for m in data["metrics"]]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def plot(data: dict, path: str) -> str:
     """Held-out bpb (x) against post-RL pass@1 and best-of-n (y) on eval/ and eval_fresh/."""
     import matplotlib  # noqa: PLC0415
@@ -293,16 +315,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     with open(json_path, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=1)
     plot(data, png_path)
-    best = data["best_of"]
-    print(f"| pretraining steps | held-out bpb | seeds | eval/ pass@1 start -> end | eval/ {best} start -> end |")
-    print("|---|---|---|---|---|")
-    for b in data["budgets"]:
-        done = [r for r in b["runs"] if r["completed"]]
-        mean = lambda part, key: sum(r[part][key] or 0.0 for r in done) / max(len(done), 1)
-        print(f"| {b['steps']} | {b['heldout_bpb']:.3f} | {len(done)} | {mean('start', 'eval/pass@1'):.3f} -> "
-              f"{mean('final', 'eval/pass@1'):.3f} | {mean('start', f'eval/{best}'):.3f} -> "
-              f"{mean('final', f'eval/{best}'):.3f} |")
-    print(f"wrote {json_path}, {png_path}")
+    md = table(data)
+    md_path = json_path[:-len(".json")] + ".md"
+    with open(md_path, "w", encoding="utf-8") as f:
+        f.write(md + "\n")
+    print(md)
+    print(f"wrote {json_path}, {md_path}, {png_path}")
     return status
 
 

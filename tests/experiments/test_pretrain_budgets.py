@@ -5,6 +5,7 @@ and the JSON and figure."""
 import json
 import os
 
+import numpy as np
 import pytest
 from support.tiny_corpus import write_corpus
 
@@ -46,6 +47,13 @@ def test_budgets_pretrain_measure_and_run_rl_from_each(tmp_path, monkeypatch):
         assert set(run["start"]) == {"eval/pass@1", "eval/best_of_4", "eval_fresh/pass@1", "eval_fresh/best_of_4"}
         assert json.load(open(os.path.join(run["workdir"], "config.json")))["model"]["init_from"] == b["base"]
     assert (out / "pretrain_budgets.png").stat().st_size > 0
+    rows = (out / "pretrain_budgets.md").read_text().splitlines()
+    assert len(rows) == 2 + len(data["budgets"]) and "eval_fresh/best_of_4 start -> end" in rows[0]
+    for b, row in zip(data["budgets"], rows[2:]):
+        (run,) = b["runs"]
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[:3] == [str(b["steps"]), f"{b['heldout_bpb']:.3f}", "1"]
+        assert cells[3] == f"{run['start']['eval/pass@1']:.3f} -> {run['final']['eval/pass@1']:.3f}"
     # Run again: nothing is trained again (the runs are complete), the same table comes out.
     assert pretrain_budgets.main(argv) == 0
     assert json.load(open(out / "pretrain_budgets.json"))["budgets"][1]["heldout_bpb"] == trained["heldout_bpb"]
@@ -105,3 +113,21 @@ def test_the_committed_base_is_refused_when_the_prepared_corpus_or_tokenizer_dif
     args = pretrain_budgets.parse_args([f"--committed={committed}", f"--out={tmp_path / 'out'}"])
     with pytest.raises(SystemExit, match="prepare_mined"):
         pretrain_budgets.make_base(1200, args, cfg, say=lambda _: None)
+
+
+def test_the_table_gives_each_metric_as_mean_and_sample_std_over_the_completed_seeds():
+    metrics = ["eval/pass@1", "eval_fresh/pass@1"]
+
+    def run(seed, start, final, completed=True):
+        return {"seed": seed, "completed": completed, "start": dict(zip(metrics, start)),
+                "final": dict(zip(metrics, final))}
+
+    data = {"metrics": metrics, "budgets": [
+        {"steps": 0, "heldout_bpb": 3.67449, "runs": [run(0, (0.1, 0.2), (0.3, 0.5)), run(1, (0.3, 0.4), (0.1, 0.7)),
+                                                     run(2, (0.9, 0.9), (0.9, 0.9), completed=False)]},
+        {"steps": 300, "heldout_bpb": 1.85281, "runs": [run(0, (0.25, None), (0.5, None))]}]}
+    rows = pretrain_budgets.table(data).splitlines()
+    assert rows[0] == "| pretraining steps | held-out bpb | seeds | eval/pass@1 start -> end | eval_fresh/pass@1 start -> end |"
+    assert rows[2] == (f"| 0 | 3.674 | 2 | 0.200 ± {np.std([0.1, 0.3], ddof=1):.3f} -> 0.200 ± "
+                       f"{np.std([0.3, 0.1], ddof=1):.3f} | 0.300 ± 0.141 -> 0.600 ± 0.141 |")
+    assert rows[3] == "| 300 | 1.853 | 1 | 0.250 -> 0.500 | n/a -> n/a |"
