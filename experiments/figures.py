@@ -87,6 +87,10 @@ PRETRAIN = ("python -m experiments.prepare_corpus && "
 PLOT_PRETRAIN = _plot_training_command(
     ["runs/pretrain_code"], "train/bpb:20,heldout/bpb,throughput/train_tokens_per_s:20",
     "docs/figures/pretrain_code.png", "Pretraining the code base (3.1M parameters, 8,192-token BPE)", PRETRAIN)
+# The budgets grid as published: the corpus (after the mined projects, whose non-test files it
+# includes) and the grid over seeds 0 and 1 (the base budgets 0, 300 and 1,200 steps).
+PRETRAIN_BUDGETS = ("python -m experiments.prepare_mined && python -m experiments.prepare_corpus && "
+                    "python -m experiments.pretrain_budgets --seeds=2 --publish")
 
 # The GPU results: the kernel tests and both benchmarks on a CUDA machine, then a deliberate publish.
 GPU_CHECK = "bash experiments/gpu_check.sh <run dir> && python -m experiments.gpu_report <run dir> --publish"
@@ -108,6 +112,7 @@ PRODUCERS = {
     "results/bench_sandbox.json": "python -m experiments.bench_sandbox --publish",
     "results/hack_suite.json": "python -m experiments.hack_suite --publish",
     "docs/figures/pretrain_code.json": PLOT_PRETRAIN,
+    "results/pretrain_budgets.json": PRETRAIN_BUDGETS,
     "results/reward_model.json": "python -m experiments.reward_model --publish",
     "results/overoptimization.json": "python -m experiments.overoptimization --publish (after experiments.reward_model)",
     "results/clarifying_questions.json": "python -m experiments.clarifying_questions --publish",
@@ -605,6 +610,15 @@ FIGURES: dict[str, FigureSpec] = {f.name: f for f in (
         "per byte of its targets (trailing mean of 20 steps), the held-out files' bits per byte at every evaluation, "
         "and training tokens per second on 2 CPU cores (trailing mean of 20 steps).",
         (PRETRAIN, PLOT_PRETRAIN)),
+    FigureSpec(
+        "pretrain_budgets", ("results/pretrain_budgets.json",),
+        lambda d, out: script("pretrain_budgets").plot(d["results/pretrain_budgets.json"], out),
+        "Does pretraining help RL here? Three pretraining budgets of the same 3.1M-parameter model (none, 300 steps, "
+        "the committed base's 1,200), each followed by the same SFT and 200 GRPO steps of the main job: the base's "
+        "held-out code loss (bits per byte) against pass@1 and best-of-16 after RL on held-out behaviours (eval/) and "
+        "new tasks of the training distribution (eval_fresh/); filled markers per seed after RL, hollow at the SFT "
+        "start, lines through the seeds' means.",
+        (PRETRAIN_BUDGETS,), notes=lambda d: script("pretrain_budgets").table(d["results/pretrain_budgets.json"])),
     FigureSpec(
         "grpo_synth_async", ("docs/figures/grpo_synth_async.json",),
         lambda d, out: plot_training.draw_series(d["docs/figures/grpo_synth_async.json"], out),
