@@ -1036,6 +1036,11 @@ def _fmt(stat: dict, digits: int = 3) -> str:
     return f"{stat['mean']:.{digits}f} ± {stat['std']:.{digits}f}"
 
 
+def mean_std_text(values: Sequence[float | None], digits: int = 3) -> str:
+    """The table cell of `values` (None skipped): mean ± sample std, one value alone, "—" for none."""
+    return _fmt(_stat(values), digits)
+
+
 def _steps_text(stat: dict) -> str:
     text = f"{stat['reached']}/{stat['n']} reached"
     return text + (f", {_fmt(dict(stat, n=stat['reached']), 0)}" if stat["reached"] else "")

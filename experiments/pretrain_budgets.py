@@ -224,21 +224,16 @@ def collect(args: argparse.Namespace, budgets: list[dict], rl_data: dict) -> dic
 
 def table(data: dict) -> str:
     """Markdown: per budget its held-out bpb, completed seeds and, for each metric, the mean ± sample
-    std over those seeds of the SFT start -> after RL (one seed: its values)."""
-    import numpy as np  # noqa: PLC0415
-
-    def stat(values):
-        values = [v for v in values if v is not None]
-        if not values:
-            return "n/a"
-        return f"{np.mean(values):.3f}" + (f" ± {np.std(values, ddof=1):.3f}" if len(values) > 1 else "")
+    std over those seeds of the SFT start -> after RL (one seed: its values; none: "—")."""
+    from experiments.ablate import mean_std_text  # noqa: PLC0415
 
     head = ["pretraining steps", "held-out bpb", "seeds"] + [f"{m} start -> end" for m in data["metrics"]]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for b in data["budgets"]:
         done = [r for r in b["runs"] if r["completed"]]
         cells = [str(b["steps"]), f"{b['heldout_bpb']:.3f}", str(len(done))]
-        cells += [f"{stat(r['start'][m] for r in done)} -> {stat(r['final'][m] for r in done)}" for m in data["metrics"]]
+        cells += [f"{mean_std_text([r['start'][m] for r in done])} -> {mean_std_text([r['final'][m] for r in done])}"
+                  for m in data["metrics"]]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -130,4 +130,4 @@ def test_the_table_gives_each_metric_as_mean_and_sample_std_over_the_completed_s
     assert rows[0] == "| pretraining steps | held-out bpb | seeds | eval/pass@1 start -> end | eval_fresh/pass@1 start -> end |"
     assert rows[2] == (f"| 0 | 3.674 | 2 | 0.200 ± {np.std([0.1, 0.3], ddof=1):.3f} -> 0.200 ± "
                        f"{np.std([0.3, 0.1], ddof=1):.3f} | 0.300 ± 0.141 -> 0.600 ± 0.141 |")
-    assert rows[3] == "| 300 | 1.853 | 1 | 0.250 -> 0.500 | n/a -> n/a |"
+    assert rows[3] == "| 300 | 1.853 | 1 | 0.250 -> 0.500 | — -> — |"
