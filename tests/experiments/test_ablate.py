@@ -456,7 +456,7 @@ TINY = ["model.d_model=32", "model.num_layers=1", "model.num_heads=2", "model.nu
 
 @pytest.mark.slow
 def test_cli_end_to_end_then_skips_completed_runs(tmp_path, monkeypatch, capsys):
-    args = ["--config=configs/grpo_synth.py", "--sweep=loss:grpo,dapo", "--seeds=1", f"--out_dir={tmp_path / 'runs'}",
+    args = ["--config=configs/grpo_synth.py:base=bytes", "--sweep=loss:grpo,dapo", "--seeds=1", f"--out_dir={tmp_path / 'runs'}",
             f"--results_dir={tmp_path / 'results'}", f"--fig_dir={tmp_path / 'fig'}", "--name=tiny", "--threshold=0"]
     for item in TINY:
         args += ["--set", item]
@@ -479,7 +479,9 @@ def test_cli_end_to_end_then_skips_completed_runs(tmp_path, monkeypatch, capsys)
         assert math.isclose(r["final"]["minutes"], summary["seconds"] / 60)
         assert [s for s, _ in r["curves"]["rollout/reward"]] == [1]
         command = open(os.path.join(run, "command.txt")).read()
-        assert f"--config=configs/grpo_synth.py:{r['label']} " in command and f"--config.workdir={run}" in command
+        spec = next(a for a in command.split() if a.startswith("--config="))
+        assert spec.startswith("--config=configs/grpo_synth.py:") and f"--config.workdir={run}" in command
+        assert sorted(spec.split(":", 1)[1].split(",")) == sorted(["base=bytes", r["label"]])
         assert "eval @ step 1" in open(os.path.join(run, "log.txt")).read()
     assert json.load(open(os.path.join(data["runs"][1]["workdir"], "config.json")))["objective"] == "dapo"
     assert [row["completed"] for row in data["table"]] == [1, 1]

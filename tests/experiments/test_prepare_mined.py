@@ -106,7 +106,7 @@ def test_the_agent_job_trains_on_mined_tasks(mined_fixture, tmp_path):
     prepared = mined.load_prepared(str(fixture_project))
     assert [len(prepared["train"]), len(prepared["test"])] == [2, 1]
 
-    cfg = get_config()
+    cfg = get_config("base=bytes")
     cfg.model = model_config(vocab_size=320, d_model=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
                              ffw_dim=64)
     cfg.workdir = str(tmp_path / "run")

@@ -66,7 +66,7 @@ def test_bench_scoring_quick(tmp_path):
     """Scoring the loss positions only gives the same log-probs and loss as scoring all of them."""
     path = tmp_path / "bench.json"
     # The synthesis job's model cut to one layer: the equality checked here does not depend on size.
-    stdout = run("experiments.bench_scoring", "--quick", "--config=configs/grpo_synth.py", "--config.model.num_layers=1",
+    stdout = run("experiments.bench_scoring", "--quick", "--config=configs/grpo_synth.py:base=bytes", "--config.model.num_layers=1",
                  f"--out={path}")
     assert "| train |" in stdout
     result = json.loads(path.read_text())

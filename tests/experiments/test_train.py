@@ -24,7 +24,7 @@ TINY = [
 
 @pytest.mark.slow
 def test_main_job_command_runs(tmp_path):
-    cmd = [sys.executable, "-m", "experiments.train", "--config=configs/grpo_synth.py:loss=dapo",
+    cmd = [sys.executable, "-m", "experiments.train", "--config=configs/grpo_synth.py:loss=dapo,base=bytes",
            f"--config.workdir={tmp_path / 'run'}", f"--config.sft.cache_dir={tmp_path / 'sft'}", *TINY,
            "--config.rollout.async=True"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -67,7 +67,7 @@ def run_train(*flags):
 )
 def test_config_errors_are_one_line_and_exit_2(tmp_path, flag, texts):
     run = tmp_path / "run"
-    out = run_train("--config=configs/grpo_synth.py", f"--config.workdir={run}",
+    out = run_train("--config=configs/grpo_synth.py:base=bytes", f"--config.workdir={run}",
                     f"--config.sft.cache_dir={tmp_path / 'sft'}", *TINY, "--config.train.steps=1", flag)
     assert_one_line_error(out, *texts)
     assert not run.exists() and not (tmp_path / "sft").exists()  # refused before the warm start
@@ -80,7 +80,7 @@ def test_agent_config_errors_and_a_changed_resume_are_refused(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.json").write_text(json.dumps({"seed": 0, "job": "synth"}))
-    out = run_train("--config=configs/grpo_synth.py", f"--config.workdir={run}", *TINY, "--config.seed=5",
+    out = run_train("--config=configs/grpo_synth.py:base=bytes", f"--config.workdir={run}", *TINY, "--config.seed=5",
                     "--config.resume=True")
     line = assert_one_line_error(out, "resume: the config differs", "seed 0 -> 5", "resume_override")
     assert "job \"synth\" -> (absent)" in line
@@ -94,7 +94,7 @@ def test_help_lists_each_job_configs_arguments():
     for expected in ("configs/grpo_synth.py: loss=grpo|dr_grpo|dapo|gspo|cispo|ppo, attention=nsa|squid, mlp=moe",
                      "configs/agent_repo.py:", "configs/pretrain_code.py: tokenizer=bpe|byte", "--print_config"):
         assert expected in text, expected
-    assert "code,levels" not in text  # an entry combining choices is split into them
+    assert "bytes,levels" not in text  # an entry combining choices is split into them
 
 
 def test_print_config_shows_the_resolved_fields_and_runs_nothing(tmp_path):
@@ -106,7 +106,13 @@ def test_print_config_shows_the_resolved_fields_and_runs_nothing(tmp_path):
     assert lines[0] == "# --config=configs/grpo_synth.py:loss=dapo (job: synth)"
     assert "rollout.group_size = 4  # valid: an integer >= 1" in lines
     assert f"workdir = '{run_dir}'  # valid: a string" in lines
-    assert any(line.startswith("tokenizer = 'byte'  # valid: a string; or a tokenizer.json") for line in lines)
+    # The default warm start is the pretrained base, with its own tokenizer.
+    assert any(line.startswith("tokenizer = 'init_from'  # valid: a string; or a tokenizer.json") for line in lines)
+    assert any(line.startswith("model.init_from = 'checkpoints/code_base'") for line in lines)
+    # The architecture printed is the checkpoint's, as the job will load it (not the byte policy's).
+    base = json.load(open(os.path.join(ROOT, "checkpoints", "code_base", "config.json")))
+    assert f"model.d_model = {base['hidden_size']}  # valid: an integer >= 1" in lines
+    assert f"model.vocab_size = {base['vocab_size']}  # valid: an integer >= 1" in lines
     assert "loss.clip_high = 0.28  # valid: a finite number >= 0" in lines  # the dapo recipe's clip-higher
     assert len(lines) > 100 and not run_dir.exists()
     # An unknown field is still the one-line error, with or without --print_config.

@@ -16,14 +16,15 @@ def xla_flags(devices: int | None = None) -> str:
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def derived_config(path, base: str, *changes: str) -> str:
-    """Write a config file at `path` whose get_config() is configs/`base`.py's with `changes`
+def derived_config(path, base: str, *changes: str, arg: str | None = "base=bytes") -> str:
+    """Write a config file at `path` whose get_config() is configs/`base`.py's for the argument
+    `arg` (default: the fresh byte-level policy, whose shape the changes may shrink) with `changes`
     (statements on ``cfg``) applied; returns its path. For scripts that take a config file."""
     source = os.path.join(ROOT, "configs", f"{base}.py")
     lines = ["import importlib.util", "",
              f"spec = importlib.util.spec_from_file_location('base_{base}', {source!r})",
              "base = importlib.util.module_from_spec(spec)", "spec.loader.exec_module(base)", "", "",
-             "def get_config():", "    cfg = base.get_config()", *(f"    {c}" for c in changes), "    return cfg", ""]
+             "def get_config():", f"    cfg = base.get_config({arg!r})", *(f"    {c}" for c in changes), "    return cfg", ""]
     with open(path, "w") as f:
         f.write("\n".join(lines))
     return str(path)

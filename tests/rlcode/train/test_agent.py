@@ -30,6 +30,7 @@ from rlcode.tokenizer import ByteTokenizer
 from rlcode import session_sampling
 from rlcode.train import agent, demonstrations
 from rlcode.train import workdir as workdir_lib
+from rlcode.train.engine import resolve_config
 from rlcode.train import episodes as episodes_lib
 from rlcode.train.step import make_logprob_fn
 
@@ -37,7 +38,7 @@ TOK = ByteTokenizer()
 
 
 def tiny(kind):
-    cfg = get_config(f"attention={kind}")
+    cfg = get_config(f"attention={kind},base=bytes")
     cfg.model = model_config(vocab_size=320, d_model=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16,
                              ffw_dim=64, attention={"kind": kind, **({"impl": "xla"} if kind == "squid" else {})})
     cfg.agent.max_turns, cfg.agent.max_response_tokens, cfg.agent.max_context_tokens = 2, 96, 3072
@@ -164,11 +165,12 @@ def test_turn_batcher_answers_each_episode_in_batches():
 
 
 def test_config_errors():
-    cfg = get_config()
-    cfg.model.attention = {"kind": "nsa"}
-    with pytest.raises(ValueError, match="attention.kind"):
-        agent.validate_config(cfg)
-    cfg = get_config()
+    for base in ("bytes", "code"):  # the default (code) checked as the job checks it: resolved
+        cfg = resolve_config(get_config(f"base={base}"))
+        cfg.model.attention = {"kind": "nsa"}
+        with pytest.raises(ValueError, match="attention.kind"):
+            agent.validate_config(cfg)
+    cfg = get_config("base=bytes")
     cfg.agent.tools = ("read_file",)
     with pytest.raises(ValueError, match="submit"):
         agent.validate_config(cfg)

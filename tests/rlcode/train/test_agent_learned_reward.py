@@ -25,7 +25,7 @@ def reward_dir(tmp_path_factory):
 
 @pytest.mark.slow
 def test_the_reward_model_scores_the_episodes_change_and_the_tests_stay_gold(reward_dir):
-    cfg = get_config()
+    cfg = get_config("base=bytes")
     cfg.reward.update(source="reward_model", reward_model=reward_dir, preference_weight=3.0)
     tok, pool = ByteTokenizer(), LocalExecutor()
     task = repo_tasks.generate_task(1, difficulty=1, split="train")
@@ -44,7 +44,7 @@ def test_the_reward_model_scores_the_episodes_change_and_the_tests_stay_gold(rew
 
 
 def test_a_learned_reward_needs_its_directory(tmp_path):
-    cfg = get_config()
+    cfg = get_config("base=bytes")
     cfg.reward.update(source="reward_model")
     with pytest.raises(ConfigError, match="reward_model"):
         agent.validate_config(cfg)

@@ -14,15 +14,16 @@ def test_a_run_saved_before_fields_were_added_resumes_with_their_neutral_values(
     new = json.loads(json.dumps(tiny_job.tiny_config(tmp_path).to_dict(), default=list))
     flat = flatten(new)
 
-    def job_config(name):
+    def job_config(name, arg=None):
         spec = importlib.util.spec_from_file_location(name, os.path.join(tiny_job.ROOT, "configs", f"{name}.py"))
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        return flatten(json.loads(json.dumps(module.get_config().to_dict(), default=list)))
+        return flatten(json.loads(json.dumps(module.get_config(arg).to_dict(), default=list)))
 
-    agent, pretrain = job_config("agent_repo"), job_config("pretrain_code")
-    # The table holds the configs' own defaults: the values that compute what older runs computed
-    # (the pretraining job's own fields from its config; the RL jobs' from theirs).
+    agent, pretrain = job_config("agent_repo", "base=bytes"), job_config("pretrain_code")
+    # The table holds the configs' own values for the runs saved before the fields existed: the RL
+    # jobs' with base=bytes (every such run trained a fresh byte-level policy), the pretraining
+    # job's own fields from its config.
     for key, value in workdir.ADDED_FIELDS.items():
         assert key in flat or key in agent or key in pretrain, key
         for config in (flat, agent) if key in flat or key in agent else (pretrain,):
