@@ -22,17 +22,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def load_config(arg=None):
     """configs/grpo_synth.py's config for `arg`, with base=bytes unless `arg` names a base: the
     tests shrink the model, and a pretrained base would fix its shape."""
-    arg = bytes_base(arg)
+    from experiments.ablate import combine_args  # noqa: PLC0415
+
+    arg = combine_args("base=bytes", arg)
     spec = importlib.util.spec_from_file_location("grpo_synth_config", os.path.join(ROOT, "configs", "grpo_synth.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.get_config(arg)
-
-
-def bytes_base(arg=None):
-    """A config argument (``name=value,...``) with ``base=bytes`` added unless it names a base."""
-    items = [item for item in (arg or "").split(",") if item]
-    return ",".join(items if any(item.startswith("base=") for item in items) else [*items, "base=bytes"])
 
 
 def tiny_config(workdir, steps=3, arg=None, **overrides):
