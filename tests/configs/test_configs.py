@@ -74,3 +74,21 @@ def test_recipes_match_the_papers():
         losses.ObjectiveConfig.from_config(cfg.loss)
     with pytest.raises(ValueError, match="max_new_tokens"):
         recipes.recipe("grpo", max_new_tokens=0)
+
+
+@pytest.mark.parametrize("name", ["grpo_synth", "agent_repo"])
+def test_both_rl_jobs_start_from_the_committed_base_unless_told_bytes(name):
+    from rlcode.models import hf
+    from rlcode.train.pretrain import PUBLISHED
+
+    path = os.path.join(ROOT, "configs", f"{name}.py")
+    default, fresh = parse([f"--config={path}"]), parse([f"--config={path}:base=bytes"])
+    assert default.model.init_from == PUBLISHED and default.tokenizer == "init_from"
+    assert os.path.isfile(os.path.join(ROOT, PUBLISHED, "config.json"))  # the base is committed
+    assert hf.read_config(os.path.join(ROOT, PUBLISHED))["vocab_size"] == 8192
+    assert fresh.model.init_from == "" and fresh.tokenizer == "byte" and fresh.model.vocab_size == 320
+    # The budgets follow the tokenizer: BPE tokens from the base are fewer than bytes.
+    lengths = (("task", "max_prompt_len"), ("sampling", "max_new_tokens")) if name == "grpo_synth" else (
+        ("agent", "max_context_tokens"), ("agent", "max_response_tokens"))
+    for section, field in lengths:
+        assert default[section][field] < fresh[section][field], (section, field)
