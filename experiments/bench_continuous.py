@@ -35,16 +35,14 @@ from flax import nnx
 
 from experiments import bench_util
 from experiments import train as train_cli
-from experiments.cli import PUBLISH_HELP, output_paths
+from experiments.cli import BYTE_LEVEL_MAIN_JOB, PUBLISH_HELP, output_paths
 from rlcode import sampling
 from rlcode.models import hf
 from rlcode.tokenizer import job_tokenizer
 from rlcode.train import loop
 from rlcode.train import sft as sft_lib
 
-# The fresh byte-level policy the published results were measured with (the main job's default
-# warm start is now the pretrained base, base=code).
-DEFAULT_CONFIG = "configs/grpo_synth.py:base=bytes"
+DEFAULT_CONFIG = BYTE_LEVEL_MAIN_JOB
 _SLOTS = flags.DEFINE_list("slots", ["4", "8", "16"], "Slot counts to compare with the static batch.")
 _POLICY = flags.DEFINE_enum("policy", "sft", ["sft", "fresh"], "Weights of the main-job case.")
 _BATCHES = flags.DEFINE_integer("batches", 4, "Batches (different prompts) per round.")

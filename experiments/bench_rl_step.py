@@ -41,6 +41,7 @@ from absl import app, flags
 
 from experiments import bench_util
 from experiments import train as train_cli
+from experiments.cli import BYTE_LEVEL_MAIN_JOB
 from rlcode import advantages as adv_lib
 from rlcode import losses, sampling
 from rlcode.models import hf
@@ -51,9 +52,7 @@ from rlcode.train import step as step_lib
 from rlcode.train.engine import default_pool
 from rlcode.train.rollout import Grader, Rollout
 
-# The fresh byte-level policy the published results were measured with (the main job's default
-# warm start is now the pretrained base, base=code).
-DEFAULT_CONFIG = "configs/grpo_synth.py:base=bytes"
+DEFAULT_CONFIG = BYTE_LEVEL_MAIN_JOB
 VARIANTS = {"per_row": (False, False), "shared_prompts": (True, False), "shared+on_policy": (True, True)}
 _PROMPTS = flags.DEFINE_integer("prompts", 0, "Prompts per batch (0: rollout.prompts_per_step).")
 _GROUP = flags.DEFINE_integer("group", 0, "Samples per prompt (0: rollout.group_size).")

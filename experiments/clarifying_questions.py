@@ -37,13 +37,11 @@ from typing import Any
 
 import numpy as np
 
-from experiments.cli import add_synth_grid_options, summary
+from experiments.cli import BYTE_LEVEL_MAIN_JOB, add_synth_grid_options, summary
 from experiments.overoptimization import smooth
 
 NAME = "clarifying_questions"
-# The fresh byte-level policy the published results were measured with (the main job's default
-# warm start is now the pretrained base, base=code).
-SYNTH_CONFIG = "configs/grpo_synth.py:base=bytes"
+SYNTH_CONFIG = BYTE_LEVEL_MAIN_JOB
 QUESTION = "behaviour/question_rate"
 
 

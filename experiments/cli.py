@@ -56,6 +56,11 @@ def output_paths(name: str, quick: bool, out: str | None, png: str | None, publi
     return out, png or os.path.splitext(out)[0] + ".png"
 
 
+# The main job with the fresh byte-level policy: the config the main job's published results/ files
+# were measured with (its default warm start is now the pretrained base, base=code).
+BYTE_LEVEL_MAIN_JOB = "configs/grpo_synth.py:base=bytes"
+
+
 def add_synth_grid_options(p: Any, name: str, steps: int) -> None:
     """The options of a script that runs the main job (configs/grpo_synth.py) as experiments.ablate
     grids: --steps (default `steps`), --seeds, --smooth, --set, --out (runs/<name>), --table_only,

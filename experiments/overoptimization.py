@@ -38,12 +38,10 @@ from typing import Any
 
 import numpy as np
 
-from experiments.cli import add_synth_grid_options, summary
+from experiments.cli import BYTE_LEVEL_MAIN_JOB, add_synth_grid_options, summary
 
 NAME = "overoptimization"
-# The fresh byte-level policy the published results were measured with (the main job's default
-# warm start is now the pretrained base, base=code).
-SYNTH_CONFIG = "configs/grpo_synth.py:base=bytes"
+SYNTH_CONFIG = BYTE_LEVEL_MAIN_JOB
 DEFAULT_REWARD_MODEL = os.path.join("runs", "reward_model", "bias=1.5", "model")
 PROXY, GOLD, KL = "rollout/reward_preference", "rollout/pass_fraction", "rollout/kl_from_start"
 
