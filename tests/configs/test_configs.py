@@ -1,7 +1,6 @@
 """Every config file builds, through absl's config_flags, for every argument it declares."""
 
 import glob
-import importlib.util
 import os
 
 import ml_collections
@@ -9,6 +8,7 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
+from experiments.ablate import load_config_module
 from rlcode import losses, recipes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -24,9 +24,7 @@ def parse(argv):
 
 
 def declared_args(path):
-    spec = importlib.util.spec_from_file_location("config_module", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_config_module(path)
     assert callable(getattr(module, "get_config", None)), f"{path} has no get_config(arg=None)"
     assert module.__doc__ and "python -m" in module.__doc__, f"{path}: docstring must hold the launch command"
     return (None, *getattr(module, "ARGS", ()))

@@ -9,17 +9,13 @@ import pytest
 
 from experiments import objectives_demo
 from rlcode.recipes import RECIPES
+from support import job_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def demo_config(arg, tmp_path, **train):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("cfg", os.path.join(ROOT, "configs", "objectives_demo.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    cfg = module.get_config(arg)
+    cfg = job_config("objectives_demo", arg)
     cfg.workdir = str(tmp_path / arg)
     cfg.train.update(train)
     return cfg

@@ -14,7 +14,7 @@ from rlcode.models import lora as lora_lib
 from rlcode.models.transformer import init_model, model_config
 from rlcode.train import step as step_lib
 
-from support import step_check
+from support import job_config, step_check
 from support.hf_families import FAMILIES, write_checkpoint
 
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 7)), jnp.int32)
@@ -284,14 +284,7 @@ def test_both_jobs_have_the_lora_section_and_check_it(tmp_path):
         loop.validate_config(moe, 1)
     moe.lora.targets = ("q", "k", "v", "o")
     loop.validate_config(moe, 1)
-    import importlib.util
-    import os
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    spec = importlib.util.spec_from_file_location("agent_repo_config", os.path.join(root, "configs", "agent_repo.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    assert lora_lib.LoraConfig.from_config(module.get_config().lora) == lora_lib.LoraConfig()
+    assert lora_lib.LoraConfig.from_config(job_config("agent_repo").lora) == lora_lib.LoraConfig()
 
 
 def _count_dots(jaxpr):

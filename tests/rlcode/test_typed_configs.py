@@ -4,8 +4,6 @@ and values of the wrong type or range, and reads a ConfigDict and the same secti
 alike."""
 
 import dataclasses
-import importlib.util
-import os
 
 import jax
 import jax.numpy as jnp
@@ -20,16 +18,7 @@ from rlcode.envs import rewards
 from rlcode.models.lora import LoraConfig, lora_config
 from rlcode.sampling import SamplingConfig
 from rlcode.train import rollout
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def job_config(name, arg=None):
-    spec = importlib.util.spec_from_file_location(f"config_{name}", os.path.join(ROOT, "configs", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(arg)
-
+from support import job_config
 
 SYNTH = job_config("grpo_synth")
 AGENT = job_config("agent_repo")

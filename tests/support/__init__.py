@@ -16,6 +16,18 @@ def xla_flags(devices: int | None = None) -> str:
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def config_module(name: str):
+    """The module of configs/`name`.py, loaded from its path as experiments.ablate loads a config."""
+    from experiments.ablate import load_config_module  # noqa: PLC0415
+
+    return load_config_module(os.path.join(ROOT, "configs", f"{name}.py"))
+
+
+def job_config(name: str, arg: str | None = None):
+    """configs/`name`.py's get_config(arg)."""
+    return config_module(name).get_config(arg)
+
+
 def derived_config(path, base: str, *changes: str, arg: str | None = "base=bytes") -> str:
     """Write a config file at `path` whose get_config() is configs/`base`.py's for the argument
     `arg` (default: the fresh byte-level policy, whose shape the changes may shrink) with `changes`

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import importlib.util
 import json
 import os
 import sys
@@ -22,13 +21,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def load_config(arg=None):
     """configs/grpo_synth.py's config for `arg`, with base=bytes unless `arg` names a base: the
     tests shrink the model, and a pretrained base would fix its shape."""
-    from experiments.ablate import combine_args  # noqa: PLC0415
+    from experiments.ablate import combine_args, load_config_module  # noqa: PLC0415
 
-    arg = combine_args("base=bytes", arg)
-    spec = importlib.util.spec_from_file_location("grpo_synth_config", os.path.join(ROOT, "configs", "grpo_synth.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(arg)
+    # Not support.job_config: this module also runs as a script, where `support` is not importable.
+    return load_config_module(os.path.join(ROOT, "configs", "grpo_synth.py")).get_config(combine_args("base=bytes", arg))
 
 
 def tiny_config(workdir, steps=3, arg=None, **overrides):

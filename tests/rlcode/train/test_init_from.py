@@ -1,8 +1,6 @@
 """Both jobs start from a Hugging Face checkpoint (model.init_from) with its own tokenizer."""
 
-import importlib.util
 import json
-import os
 import types
 
 import jax
@@ -13,7 +11,7 @@ from flax import nnx
 from rlcode.checks import ConfigError
 from rlcode.models import hf
 from rlcode.train import agent, loop, sft
-from support import hf_families, tiny_job
+from support import config_module, hf_families, tiny_job
 
 
 @pytest.fixture(scope="module")
@@ -76,9 +74,7 @@ def test_the_agent_job_accepts_a_checkpoint_whose_tokenizer_has_its_chat_tokens(
 
 
 def load_config_file(name, arg=None):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(tiny_job.ROOT, "configs", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = config_module(name)
     return module.get_config(arg), module
 
 

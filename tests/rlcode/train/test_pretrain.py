@@ -2,7 +2,6 @@
 computation on each file alone, and the whole job on a tiny corpus (learning, TensorBoard tags,
 resume equal to an uninterrupted run, the Hugging Face export)."""
 
-import importlib.util
 import json
 import math
 import os
@@ -13,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from support import job_config
 from support.tiny_corpus import texts, write_corpus
 
 from rlcode.checks import ConfigError
@@ -29,10 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 
 
 def load_config(arg=None):
-    spec = importlib.util.spec_from_file_location("pretrain_code", os.path.join(ROOT, "configs", "pretrain_code.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(arg)
+    return job_config("pretrain_code", arg)
 
 
 def tiny_config(tmp_path, steps=6, tokenizer="byte", **data):

@@ -4,23 +4,17 @@ import json
 
 from rlcode.checks import flatten
 from rlcode.train import workdir
-from support import tiny_job
+from support import job_config, tiny_job
 
 
 def test_a_run_saved_before_fields_were_added_resumes_with_their_neutral_values(tmp_path):
-    import importlib.util
-    import os
-
     new = json.loads(json.dumps(tiny_job.tiny_config(tmp_path).to_dict(), default=list))
     flat = flatten(new)
 
-    def job_config(name, arg=None):
-        spec = importlib.util.spec_from_file_location(name, os.path.join(tiny_job.ROOT, "configs", f"{name}.py"))
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return flatten(json.loads(json.dumps(module.get_config(arg).to_dict(), default=list)))
+    def flat_config(name, arg=None):
+        return flatten(json.loads(json.dumps(job_config(name, arg).to_dict(), default=list)))
 
-    agent, pretrain = job_config("agent_repo", "base=bytes"), job_config("pretrain_code")
+    agent, pretrain = flat_config("agent_repo", "base=bytes"), flat_config("pretrain_code")
     # The table holds the configs' own values for the runs saved before the fields existed: the RL
     # jobs' with base=bytes (every such run trained a fresh byte-level policy), the pretraining
     # job's own fields from its config.
