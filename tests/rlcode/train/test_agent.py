@@ -416,3 +416,30 @@ def test_the_bpe_budgets_hold_the_scripted_expert(levels):
         edges = np.diff(np.concatenate([[0], mask, [0]]))
         assert (np.flatnonzero(edges == -1) - np.flatnonzero(edges == 1)).max() < cfg.agent.max_response_tokens
         assert grade_episode(task, traj, pool, cfg).success, task.task_id
+
+
+def test_episode_metrics_count_the_tool_calls_that_succeeded(tmp_path):
+    """read_ok / edit_ok: the share of episodes with a successful read_file / edit_file call;
+    tool_errors: calls the tool refused, per episode. Episodes played through the harness."""
+    task = repo_tasks.generate_task(0, difficulty=1)
+    path = task.expert_reads[0]
+    first_line = task.files[path].splitlines()[0]
+
+    def play(*calls):
+        turns = [{"role": "assistant", "content": "", "tool_calls": [{"name": n, "arguments": a}]} for n, a in calls]
+        traj = harness.run_episode(task, harness.ScriptedPolicy(TOK, turns + [
+            {"role": "assistant", "content": "", "tool_calls": [{"name": "submit", "arguments": {}}]}]),
+            LocalExecutor(), TOK, max_turns=len(turns) + 1, root=tmp_path, max_context_tokens=1 << 17,
+            max_response_tokens=4096)
+        return episodes_lib.Episode(task=task, trajectory=traj, reward=0.0, terms={}, flags=(), valid=True,
+                                    hacked=False, success=False)
+
+    missing = "no_such_package/" + path.split("/")[-1]
+    eps = [play(("read_file", {"path": missing})),  # a made-up path: one tool error, nothing ok
+           play(("read_file", {"path": path}), ("edit_file", {"path": path, "old": "not in the file", "new": "x"})),
+           play(("read_file", {"path": path}), ("edit_file", {"path": path, "old": first_line, "new": first_line + "  # edited"}))]
+    assert [e.trajectory.num_tool_errors for e in eps] == [1, 1, 0]
+    m = episodes_lib.episode_metrics(eps, "eval")
+    assert m["eval/read_ok"] == pytest.approx(2 / 3)
+    assert m["eval/edit_ok"] == pytest.approx(1 / 3)
+    assert m["eval/tool_errors"] == pytest.approx(2 / 3)
