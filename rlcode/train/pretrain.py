@@ -62,7 +62,7 @@ PRETRAIN_SECTIONS = {
     "job": text(("pretrain",)),
     "data": {"corpus_dir": text(), "seq_len": integer(2), "rows_per_step": integer(1), "eval_batch": integer(1),
              "max_heldout_rows": integer(0), "repeat_fraction": real(0, 1, required=False),
-             "repeat_span": integer(2, required=False)},
+             "repeat_span": integer(2, required=False), "repeat_shuffled": flag(required=False)},
     "train": {"steps": integer(1), "microbatches": integer(1), "max_minutes": real(0, required=False)},
     "eval": {"every": integer(0), "at_start": flag(), "at_end": flag()},
 }
@@ -182,14 +182,19 @@ def train_batch(packed: packing.Packed, rows: np.ndarray) -> dict[str, jax.Array
             "old_logp": jnp.zeros((B, T), jnp.float32)}
 
 
-def repeated_rows(packed: packing.Packed, rows: np.ndarray, spans: np.ndarray) -> dict[str, np.ndarray]:
+def repeated_rows(packed: packing.Packed, rows: np.ndarray, spans: np.ndarray,
+                  shuffle: np.random.Generator | None = None) -> dict[str, np.ndarray]:
     """Rows made of one span repeated: row r's first spans[r] tokens, then the same again until
     the row is full, one document (positions 0..T-1). A model that copies from its context
-    predicts every repeat after the first exactly; next-token statistics alone do not. Returns
+    predicts every repeat after the first exactly; next-token statistics alone do not. With
+    `shuffle`, each row's tokens are put in a random order first: the span is then a random
+    sample of the row's tokens, which nothing but copying predicts, not even in part. Returns
     the `packing.Packed` fields of those rows (numpy) plus ``repeat`` [B, T]: the targets that
     lie in a repeat (not in the first copy)."""
     T = packed.inputs.shape[1]
     tokens = np.concatenate([packed.inputs[rows], packed.targets[rows][:, -1:]], axis=1)  # T + 1 tokens per row
+    if shuffle is not None:
+        tokens = shuffle.permuted(tokens, axis=1)
     idx = np.arange(T + 1)[None, :] % spans[:, None]
     seq = np.take_along_axis(tokens, idx, axis=1)
     ones = np.ones((len(rows), T), packed.mask.dtype)
@@ -199,17 +204,18 @@ def repeated_rows(packed: packing.Packed, rows: np.ndarray, spans: np.ndarray) -
 
 
 def with_repeats(packed: packing.Packed, rows: np.ndarray, fraction: float, max_span: int, count: int,
-                 seed: int) -> dict[str, jax.Array]:
+                 seed: int, shuffled: bool = False) -> dict[str, jax.Array]:
     """`train_batch` of `rows` where a `fraction` of them (drawn from (seed, count)) are
-    `repeated_rows` with spans uniform in [max_span // 8, max_span]: copying from the context
-    is learnt from these, which a few million tokens of code alone do not teach a small model."""
+    `repeated_rows` with spans uniform in [max_span // 8, max_span] (of the rows' tokens in a
+    random order when `shuffled`): copying from the context is learnt from these, which a few
+    million tokens of code alone do not teach a small model."""
     b = train_batch(packed, rows)
     rng = np.random.default_rng([seed, count, 7])
     pick = np.flatnonzero(rng.random(len(rows)) < fraction)
     if not len(pick):
         return b
     spans = rng.integers(max(max_span // 8, 1), max_span + 1, len(pick))
-    rep = repeated_rows(packed, rows[pick], spans)
+    rep = repeated_rows(packed, rows[pick], spans, shuffle=rng if shuffled else None)
     for k in ("inputs", "targets", "positions", "segment_ids"):
         b[k] = b[k].at[pick].set(jnp.asarray(rep[k], b[k].dtype))
     b["mask"] = b["mask"].at[pick].set(True)
@@ -291,10 +297,11 @@ def plan(ctx: Context, data: tuple[PackedCorpus, PackedCorpus]) -> Plan:
         return RowBatch(batch_rows(count, B, tr.rows, seed), version, count)
 
     fraction, max_span = cfg.data.get("repeat_fraction", 0.0), cfg.data.get("repeat_span", 256)
+    shuffled = cfg.data.get("repeat_shuffled", False)
 
     def prepare(params, ref_params, r: RowBatch):
         if fraction > 0:
-            return with_repeats(tr.packed, r.rows, fraction, max_span, r.count, seed)
+            return with_repeats(tr.packed, r.rows, fraction, max_span, r.count, seed, shuffled)
         return train_batch(tr.packed, r.rows)
 
     def evaluate(params, step):

@@ -121,6 +121,31 @@ def test_repeated_rows_repeat_each_rows_first_span_as_one_document():
                           np.asarray(plain["inputs"]))
 
 
+def test_shuffled_repeats_are_a_random_sample_of_the_rows_tokens():
+    """repeat_shuffled: the repeated span is drawn from the row's own tokens in a random order
+    (a sub-multiset of them, not the row's first span), still one periodic document."""
+    packed = pretrain.pack_texts(texts(6, seed=4), ByteTokenizer(), 40).packed
+    rows, spans = np.array([0, 2, 1, 3]), np.array([5, 40, 13, 20])
+    rep = pretrain.repeated_rows(packed, rows, spans, shuffle=np.random.default_rng(0))
+    differs = 0
+    for i, (r, n) in enumerate(zip(rows, spans)):
+        stream = list(packed.inputs[r]) + [packed.targets[r, -1]]
+        span = list(rep["inputs"][i][:n])
+        pool = list(stream)
+        for t in span:  # every token of the span is one of the row's, used at most as often
+            pool.remove(t)
+        want = [span[t % n] for t in range(41)]
+        assert list(rep["inputs"][i]) == want[:40] and list(rep["targets"][i]) == want[1:]
+        differs += span != stream[:n]
+    assert differs >= 3
+    ids = np.arange(packed.inputs.shape[0])
+    a = pretrain.with_repeats(packed, ids, 0.5, 16, count=3, seed=0, shuffled=True)
+    b = pretrain.with_repeats(packed, ids, 0.5, 16, count=3, seed=0)
+    assert np.array_equal(np.asarray(a["inputs"]), np.asarray(
+        pretrain.with_repeats(packed, ids, 0.5, 16, count=3, seed=0, shuffled=True)["inputs"]))  # a rerun: the same
+    assert not np.array_equal(np.asarray(a["inputs"]), np.asarray(b["inputs"]))
+
+
 def test_heldout_copy_tells_a_copying_model_from_one_that_does_not(tmp_path):
     """The copy metric is the NLL of the first copy and of the repeats: for a model whose
     log-probs come from a lookup of the previous occurrence it falls on the repeats; for
