@@ -53,11 +53,12 @@ def get_config(arg=None):
     # repeat_fraction: that share of each step's rows is one span of up to repeat_span tokens
     # repeated to fill the row (rlcode.train.pretrain.with_repeats: copying from the context,
     # which the agent needs for every file name, is learnt from these); 0 = the corpus only.
-    # repeat_shuffled: the span is the row's tokens in a random order, so that only copying
-    # predicts its repeats (code's own n-grams predict part of a repeated span of code).
+    # repeat_tokens: what is repeated: "span" (the row's first tokens), "shuffled" (the row's
+    # tokens in a random order: code's own n-grams predict nothing of it) or "uniform" (ids of the
+    # corpus drawn uniformly: the repeats are predicted by copying alone).
     cfg.data = ml_collections.ConfigDict({"corpus_dir": CORPUS, "seq_len": 1024, "rows_per_step": 8,
                                           "eval_batch": 8, "max_heldout_rows": 0, "repeat_fraction": 0.0,
-                                          "repeat_span": 256, "repeat_shuffled": False})
+                                          "repeat_span": 256, "repeat_tokens": "span"})
     # max_minutes: stop after this many minutes of steps (evaluation excluded); 0 = no limit.
     cfg.train = ml_collections.ConfigDict({"steps": 1200, "microbatches": 1, "max_minutes": 0.0})
     cfg.optim = optim_config(lr=2e-3, warmup_steps=100, min_lr_ratio=0.1, weight_decay=0.1, grad_clip=1.0)

@@ -56,13 +56,17 @@ from rlcode.train.schema import common_schema, mesh_sizes
 from rlcode.train.sft import SFT_OBJECTIVE
 from rlcode.train.step import make_logprob_fn
 
+# What a repeated row repeats (`repeated_rows`).
+REPEAT_TOKENS = ("span", "shuffled", "uniform")
+
 # The fields of `schema.common_schema` a pretraining config has (it has no RL sections).
 COMMON_FIELDS = ("seed", "workdir", "resume", "resume_override", "tokenizer", "model", "mesh", "optim", "checkpoint")
 PRETRAIN_SECTIONS = {
     "job": text(("pretrain",)),
     "data": {"corpus_dir": text(), "seq_len": integer(2), "rows_per_step": integer(1), "eval_batch": integer(1),
              "max_heldout_rows": integer(0), "repeat_fraction": real(0, 1, required=False),
-             "repeat_span": integer(2, required=False), "repeat_shuffled": flag(required=False)},
+             "repeat_span": integer(2, required=False),
+             "repeat_tokens": text(REPEAT_TOKENS, required=False)},
     "train": {"steps": integer(1), "microbatches": integer(1), "max_minutes": real(0, required=False)},
     "eval": {"every": integer(0), "at_start": flag(), "at_end": flag()},
 }
@@ -182,40 +186,53 @@ def train_batch(packed: packing.Packed, rows: np.ndarray) -> dict[str, jax.Array
             "old_logp": jnp.zeros((B, T), jnp.float32)}
 
 
-def repeated_rows(packed: packing.Packed, rows: np.ndarray, spans: np.ndarray,
-                  shuffle: np.random.Generator | None = None) -> dict[str, np.ndarray]:
-    """Rows made of one span repeated: row r's first spans[r] tokens, then the same again until
-    the row is full, one document (positions 0..T-1). A model that copies from its context
-    predicts every repeat after the first exactly; next-token statistics alone do not. With
-    `shuffle`, each row's tokens are put in a random order first: the span is then a random
-    sample of the row's tokens, which nothing but copying predicts, not even in part. Returns
-    the `packing.Packed` fields of those rows (numpy) plus ``repeat`` [B, T]: the targets that
-    lie in a repeat (not in the first copy)."""
+def repeated_rows(packed: packing.Packed, rows: np.ndarray, spans: np.ndarray, tokens: str = "span",
+                  rng: np.random.Generator | None = None, vocab: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """Rows made of one span repeated: a span of spans[r] tokens, then the same again until the
+    row is full, one document (positions 0..T-1). A model that copies from its context predicts
+    every repeat after the first exactly; next-token statistics alone do not. The span
+    (`tokens`, one of REPEAT_TOKENS) is row r's first spans[r] tokens ("span"), a random sample
+    of row r's tokens ("shuffled": the row in a random order, so code's n-grams predict nothing
+    of it), or ids drawn uniformly from `vocab` ("uniform": distinct tokens are the rule, so
+    every repeated token has one place to copy from); the last two draw from `rng`. Returns the
+    `packing.Packed` fields of those rows (numpy) plus ``repeat`` [B, T]: the targets that lie in
+    a repeat (not in the first copy)."""
     T = packed.inputs.shape[1]
-    tokens = np.concatenate([packed.inputs[rows], packed.targets[rows][:, -1:]], axis=1)  # T + 1 tokens per row
-    if shuffle is not None:
-        tokens = shuffle.permuted(tokens, axis=1)
+    if tokens not in REPEAT_TOKENS:
+        raise ValueError(f"tokens={tokens!r}: expected one of {REPEAT_TOKENS}")
+    if tokens == "uniform":
+        source = rng.choice(vocab, size=(len(rows), T + 1))
+    else:
+        source = np.concatenate([packed.inputs[rows], packed.targets[rows][:, -1:]], axis=1)  # T + 1 tokens per row
+        if tokens == "shuffled":
+            source = rng.permuted(source, axis=1)
     idx = np.arange(T + 1)[None, :] % spans[:, None]
-    seq = np.take_along_axis(tokens, idx, axis=1)
+    seq = np.take_along_axis(source, idx, axis=1)
     ones = np.ones((len(rows), T), packed.mask.dtype)
     return {"inputs": seq[:, :-1], "targets": seq[:, 1:], "positions": np.broadcast_to(np.arange(T), (len(rows), T)),
             "mask": ones, "segment_ids": ones.astype(packed.segment_ids.dtype),
             "repeat": np.arange(1, T + 1)[None, :] >= spans[:, None]}
 
 
+def split_vocab(packed: packing.Packed) -> np.ndarray:
+    """The distinct target ids of a split (what "uniform" repeats draw from: ids the model sees
+    in text, no special or unused ones)."""
+    return np.unique(packed.targets[packed.mask.astype(bool)])
+
+
 def with_repeats(packed: packing.Packed, rows: np.ndarray, fraction: float, max_span: int, count: int,
-                 seed: int, shuffled: bool = False) -> dict[str, jax.Array]:
+                 seed: int, tokens: str = "span", vocab: np.ndarray | None = None) -> dict[str, jax.Array]:
     """`train_batch` of `rows` where a `fraction` of them (drawn from (seed, count)) are
-    `repeated_rows` with spans uniform in [max_span // 8, max_span] (of the rows' tokens in a
-    random order when `shuffled`): copying from the context is learnt from these, which a few
-    million tokens of code alone do not teach a small model."""
+    `repeated_rows` of `tokens` with spans uniform in [max_span // 8, max_span]: copying from the
+    context is learnt from these, which a few million tokens of code alone do not teach a small
+    model."""
     b = train_batch(packed, rows)
     rng = np.random.default_rng([seed, count, 7])
     pick = np.flatnonzero(rng.random(len(rows)) < fraction)
     if not len(pick):
         return b
     spans = rng.integers(max(max_span // 8, 1), max_span + 1, len(pick))
-    rep = repeated_rows(packed, rows[pick], spans, shuffle=rng if shuffled else None)
+    rep = repeated_rows(packed, rows[pick], spans, tokens, rng, vocab)
     for k in ("inputs", "targets", "positions", "segment_ids"):
         b[k] = b[k].at[pick].set(jnp.asarray(rep[k], b[k].dtype))
     b["mask"] = b["mask"].at[pick].set(True)
@@ -297,11 +314,12 @@ def plan(ctx: Context, data: tuple[PackedCorpus, PackedCorpus]) -> Plan:
         return RowBatch(batch_rows(count, B, tr.rows, seed), version, count)
 
     fraction, max_span = cfg.data.get("repeat_fraction", 0.0), cfg.data.get("repeat_span", 256)
-    shuffled = cfg.data.get("repeat_shuffled", False)
+    repeat_tokens = cfg.data.get("repeat_tokens", "span")
+    vocab = split_vocab(tr.packed) if fraction > 0 and repeat_tokens == "uniform" else None
 
     def prepare(params, ref_params, r: RowBatch):
         if fraction > 0:
-            return with_repeats(tr.packed, r.rows, fraction, max_span, r.count, seed, shuffled)
+            return with_repeats(tr.packed, r.rows, fraction, max_span, r.count, seed, repeat_tokens, vocab)
         return train_batch(tr.packed, r.rows)
 
     def evaluate(params, step):

@@ -69,10 +69,10 @@ def test_the_committed_base_is_reused_only_for_its_own_config_and_steps(tmp_path
     assert not pretrain_budgets._same_run(report, other, 1200)
     other = pretrain_budgets.pretrain_config("configs/pretrain_code.py", ["data.seq_len=512", "optim.lr=0.01"])
     assert not pretrain_budgets._same_run(report, other, 1200)
-    # A base trained before the config had data.repeat_fraction / repeat_span / repeat_shuffled is the same run
+    # A base trained before the config had data.repeat_fraction / repeat_span / repeat_tokens is the same run
     # while they hold their neutral values, not once they change what is trained.
     older = json.loads(json.dumps(report))
-    for field in ("repeat_fraction", "repeat_span", "repeat_shuffled"):
+    for field in ("repeat_fraction", "repeat_span", "repeat_tokens"):
         older["config"]["data"].pop(field)
     assert pretrain_budgets._same_run(older, cfg, 1200)
     other = pretrain_budgets.pretrain_config("configs/pretrain_code.py", ["data.seq_len=512", "data.repeat_fraction=0.25"])

@@ -121,29 +121,40 @@ def test_repeated_rows_repeat_each_rows_first_span_as_one_document():
                           np.asarray(plain["inputs"]))
 
 
-def test_shuffled_repeats_are_a_random_sample_of_the_rows_tokens():
-    """repeat_shuffled: the repeated span is drawn from the row's own tokens in a random order
-    (a sub-multiset of them, not the row's first span), still one periodic document."""
+def test_shuffled_and_uniform_repeats_draw_the_span_at_random():
+    """repeat_tokens: "shuffled" repeats a random sample of the row's own tokens (a sub-multiset
+    of them, not the row's first span); "uniform" repeats ids drawn from the given vocabulary,
+    whatever the row holds. Both stay one periodic document, and a rerun of a step is the same."""
     packed = pretrain.pack_texts(texts(6, seed=4), ByteTokenizer(), 40).packed
     rows, spans = np.array([0, 2, 1, 3]), np.array([5, 40, 13, 20])
-    rep = pretrain.repeated_rows(packed, rows, spans, shuffle=np.random.default_rng(0))
+    vocab = np.array([300, 301, 302, 303, 304, 305, 306, 307])  # ids no byte text holds
+    shuffled = pretrain.repeated_rows(packed, rows, spans, "shuffled", np.random.default_rng(0))
+    uniform = pretrain.repeated_rows(packed, rows, spans, "uniform", np.random.default_rng(0), vocab)
     differs = 0
     for i, (r, n) in enumerate(zip(rows, spans)):
         stream = list(packed.inputs[r]) + [packed.targets[r, -1]]
-        span = list(rep["inputs"][i][:n])
+        for rep in (shuffled, uniform):
+            span = list(rep["inputs"][i][:n])
+            want = [span[t % n] for t in range(41)]
+            assert list(rep["inputs"][i]) == want[:40] and list(rep["targets"][i]) == want[1:]
         pool = list(stream)
-        for t in span:  # every token of the span is one of the row's, used at most as often
+        for t in shuffled["inputs"][i][:n]:  # every token of the span is one of the row's, used at most as often
             pool.remove(t)
-        want = [span[t % n] for t in range(41)]
-        assert list(rep["inputs"][i]) == want[:40] and list(rep["targets"][i]) == want[1:]
-        differs += span != stream[:n]
+        differs += list(shuffled["inputs"][i][:n]) != stream[:n]
+        assert set(uniform["inputs"][i]) <= set(vocab.tolist())
     assert differs >= 3
+    assert len(set(uniform["inputs"][1].tolist())) == len(vocab)  # 40 draws of 8 ids: all of them
+    with pytest.raises(ValueError, match="tokens='random'"):
+        pretrain.repeated_rows(packed, rows, spans, "random")
     ids = np.arange(packed.inputs.shape[0])
-    a = pretrain.with_repeats(packed, ids, 0.5, 16, count=3, seed=0, shuffled=True)
-    b = pretrain.with_repeats(packed, ids, 0.5, 16, count=3, seed=0)
-    assert np.array_equal(np.asarray(a["inputs"]), np.asarray(
-        pretrain.with_repeats(packed, ids, 0.5, 16, count=3, seed=0, shuffled=True)["inputs"]))  # a rerun: the same
-    assert not np.array_equal(np.asarray(a["inputs"]), np.asarray(b["inputs"]))
+    assert set(pretrain.split_vocab(packed).tolist()) == {t for row in texts(6, seed=4) for t in ByteTokenizer().encode(row)} | {
+        ByteTokenizer().eos_id}
+    batches = {kind: np.asarray(pretrain.with_repeats(packed, ids, 0.5, 16, 3, 0, kind, vocab)["inputs"])
+               for kind in pretrain.REPEAT_TOKENS}
+    for kind in pretrain.REPEAT_TOKENS:  # a rerun of the step: the same rows
+        assert np.array_equal(batches[kind], pretrain.with_repeats(packed, ids, 0.5, 16, 3, 0, kind, vocab)["inputs"])
+    assert not np.array_equal(batches["span"], batches["shuffled"])
+    assert not np.array_equal(batches["span"], batches["uniform"])
 
 
 def test_heldout_copy_tells_a_copying_model_from_one_that_does_not(tmp_path):
