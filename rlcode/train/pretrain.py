@@ -200,6 +200,8 @@ def repeated_rows(packed: packing.Packed, rows: np.ndarray, spans: np.ndarray, t
     T = packed.inputs.shape[1]
     if tokens not in REPEAT_TOKENS:
         raise ValueError(f"tokens={tokens!r}: expected one of {REPEAT_TOKENS}")
+    if tokens != "span" and rng is None or tokens == "uniform" and vocab is None:
+        raise ValueError(f"tokens={tokens!r} needs rng" + (" and vocab" if tokens == "uniform" else ""))
     if tokens == "uniform":
         source = rng.choice(vocab, size=(len(rows), T + 1))
     else:
@@ -215,8 +217,8 @@ def repeated_rows(packed: packing.Packed, rows: np.ndarray, spans: np.ndarray, t
 
 
 def split_vocab(packed: packing.Packed) -> np.ndarray:
-    """The distinct target ids of a split (what "uniform" repeats draw from: ids the model sees
-    in text, no special or unused ones)."""
+    """The distinct target ids of a split (what "uniform" repeats draw from: the ids of its text
+    and EOS, none of the vocabulary's unused or chat-only ids)."""
     return np.unique(packed.targets[packed.mask.astype(bool)])
 
 

@@ -146,6 +146,8 @@ def test_shuffled_and_uniform_repeats_draw_the_span_at_random():
     assert len(set(uniform["inputs"][1].tolist())) == len(vocab)  # 40 draws of 8 ids: all of them
     with pytest.raises(ValueError, match="tokens='random'"):
         pretrain.repeated_rows(packed, rows, spans, "random")
+    with pytest.raises(ValueError, match="tokens='uniform' needs rng and vocab"):
+        pretrain.repeated_rows(packed, rows, spans, "uniform", np.random.default_rng(0))
     ids = np.arange(packed.inputs.shape[0])
     assert set(pretrain.split_vocab(packed).tolist()) == {t for row in texts(6, seed=4) for t in ByteTokenizer().encode(row)} | {
         ByteTokenizer().eos_id}
