@@ -649,11 +649,46 @@ def _from_directory(directory: str, path: str, config_file: str) -> HFTokenizer:
                        end_of_turn=end_of_turn, config=config, require_template_tokens=False)
 
 
+# Text whose ids two tokenizers must agree on to feed the same model (`id_mismatch`): code with
+# the identifiers, literals, indentation and non-ASCII text any trained vocabulary splits its own way.
+ID_PROBE = (
+    "import os\nfrom collections import defaultdict\n\n\nclass Inventory:\n"
+    "    \"\"\"Counts of items per warehouse, e.g. {'north': 12}.\"\"\"\n\n"
+    "    def __init__(self, path: str, limit: int = 1024) -> None:\n"
+    "        self.counts = defaultdict(int)\n        self.path = os.path.join(path, 'stock.json')\n\n"
+    "    def add(self, name, amount=1):\n        if amount <= 0:\n"
+    "            raise ValueError(f\"amount must be positive, got {amount!r}\")\n"
+    "        self.counts[name] += amount  # caf\u00e9 \u2192 \u03bb\n        return self.counts[name] * 3.5e-2\n"
+)
+
+
+def id_mismatch(a: Tokenizer, b: Tokenizer, text: str = ID_PROBE) -> str | None:
+    """None when `a` and `b` give `text` the same ids (as far as a model trained on one can be fed
+    the other's), else where they first differ, in words."""
+    ids_a, ids_b = a.encode(text), b.encode(text)
+    if ids_a == ids_b:
+        return None
+    i = next((k for k, (x, y) in enumerate(zip(ids_a, ids_b)) if x != y), min(len(ids_a), len(ids_b)))
+    return (f"they encode the same text differently from token {i} on "
+            f"({ids_a[i:i + 4]} vs {ids_b[i:i + 4]}; {len(ids_a)} vs {len(ids_b)} tokens in all)")
+
+
 def job_tokenizer(spec: str, init_from: str = "") -> Tokenizer:
     """The tokenizer of a job's ``tokenizer`` field: ``"byte"``, a path (`load_tokenizer`), or
-    ``"init_from"`` for the tokenizer files of the checkpoint in ``model.init_from``."""
+    ``"init_from"`` for the tokenizer files of the checkpoint in ``model.init_from``.
+
+    With ``init_from`` a checkpoint that holds its tokenizer's files and `spec` any other
+    tokenizer, the two must give text the same ids (`id_mismatch`): a model fed another
+    vocabulary's ids reads noise (a corpus tokenizer retrained on different files is such a
+    vocabulary), so that is a ValueError naming both rather than a run that learns nothing."""
     if spec == "init_from":
         if not init_from:
             raise ValueError("tokenizer='init_from' needs model.init_from (a checkpoint directory)")
         return load_tokenizer(init_from)
-    return load_tokenizer(spec)
+    tokenizer = load_tokenizer(spec)
+    if init_from and os.path.isfile(os.path.join(init_from, "tokenizer.json")):
+        problem = id_mismatch(tokenizer, load_tokenizer(init_from))
+        if problem is not None:
+            raise ValueError(f"tokenizer={spec!r} is not the tokenizer of model.init_from={init_from!r}: {problem}; "
+                             "use tokenizer='init_from', or the tokenizer that checkpoint was trained with")
+    return tokenizer

@@ -447,3 +447,28 @@ def test_hf_truncation_in_file_is_disabled(tmp_path):
     assert len(tokenizers.Tokenizer.from_file(str(path)).encode(text, add_special_tokens=False).ids) == 4
     wrapped = tk.load_tokenizer(str(path))
     assert wrapped.decode(wrapped.encode(text)) == text
+
+
+def test_job_tokenizer_refuses_a_vocabulary_that_is_not_the_checkpoints(tmp_path):
+    """A job warm-started from a checkpoint that carries its tokenizer may name another tokenizer
+    only if it gives text the same ids (e.g. the corpus's copy of it); a vocabulary trained on
+    other text is refused, naming both."""
+    from rlcode.data import bpe
+
+    texts_a = ["def add(a, b):\n    return a + b\n", "class Stack:\n    def push(self, x): pass\n"] * 30
+    texts_b = ["the quick brown fox jumps over the lazy dog, café", "import os\nos.path.join('a', 'b')\n"] * 30
+    ckpt, same, other = (str(tmp_path / n) for n in ("ckpt", "same", "other"))
+    bpe.save(bpe.train(texts_a, 320), ckpt)
+    bpe.save(bpe.train(texts_a, 320), same)  # retrained on the same text: the same ids
+    bpe.save(bpe.train(texts_b, 320), other)
+    assert tk.id_mismatch(tk.load_tokenizer(same), tk.load_tokenizer(ckpt)) is None
+    assert isinstance(tk.job_tokenizer(same, ckpt), tk.HFTokenizer)
+    assert isinstance(tk.job_tokenizer("init_from", ckpt), tk.HFTokenizer)
+    with pytest.raises(ValueError, match=r"is not the tokenizer of model.init_from=.*ckpt.*differently from token"):
+        tk.job_tokenizer(other, ckpt)
+    with pytest.raises(ValueError, match="is not the tokenizer of model.init_from"):
+        tk.job_tokenizer("byte", ckpt)
+    # A checkpoint saved with the byte tokenizer takes "byte"; one without tokenizer files takes any.
+    tk.ByteTokenizer().save(str(tmp_path / "byte_ckpt"))
+    assert isinstance(tk.job_tokenizer("byte", str(tmp_path / "byte_ckpt")), tk.ByteTokenizer)
+    assert isinstance(tk.job_tokenizer(other, str(tmp_path / "bare")), tk.HFTokenizer)
