@@ -2,6 +2,7 @@
 computation on each file alone, and the whole job on a tiny corpus (learning, TensorBoard tags,
 resume equal to an uninterrupted run, the Hugging Face export)."""
 
+import collections
 import json
 import math
 import os
@@ -157,6 +158,44 @@ def test_shuffled_and_uniform_repeats_draw_the_span_at_random():
         assert np.array_equal(batches[kind], pretrain.with_repeats(packed, ids, 0.5, 16, 3, 0, kind, vocab)["inputs"])
     assert not np.array_equal(batches["span"], batches["shuffled"])
     assert not np.array_equal(batches["span"], batches["uniform"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", pretrain.REPEAT_TOKENS)
+def test_the_job_trains_on_the_repeats_its_config_asks_for(tmp_path, kind):
+    """data.repeat_* reach the train step: with every row repeated, each row of the step's batch
+    is periodic with a span in [repeat_span // 8, repeat_span], its ids those the kind draws from
+    (the row's first span, a sample of the row's tokens, or the train split's vocabulary)."""
+    write_corpus(tmp_path / "corpus")
+    cfg = tiny_config(tmp_path, steps=2, repeat_fraction=1.0, repeat_span=16, repeat_tokens=kind)
+    cfg.eval.update(at_start=False, at_end=False)
+    seen = []
+    pretrain.run(cfg, log=lambda m: None, hooks={"batch": lambda step, b: seen.append(b) or b})
+    train = pretrain.pack_texts(texts_of(tmp_path, "train"), ByteTokenizer(), 64)
+    vocab = set(pretrain.split_vocab(train.packed).tolist())
+    assert len(seen) == 2
+    differs = 0
+    for count, b in enumerate(seen):
+        rows = pretrain.batch_rows(count, 4, train.rows, cfg.seed)
+        for i, r in enumerate(rows):
+            seq = np.append(np.asarray(b["inputs"][i]), np.asarray(b["targets"][i, -1]))
+            n = next(n for n in range(1, 65) if np.array_equal(seq[n:], seq[:-n]))
+            assert 2 <= n <= 16 and np.asarray(b["mask"][i]).all() and (np.asarray(b["segment_ids"][i]) == 1).all()
+            own = np.append(train.packed.inputs[r], train.packed.targets[r, -1])
+            if kind == "span":
+                assert np.array_equal(seq[:n], own[:n])
+            elif kind == "shuffled":
+                differs += not np.array_equal(seq[:n], own[:n])
+                assert not collections.Counter(seq[:n].tolist()) - collections.Counter(own.tolist())
+            else:
+                assert set(seq.tolist()) <= vocab and not np.array_equal(seq[:n], own[:n])
+    assert kind != "shuffled" or differs >= 4  # not the rows' first spans
+
+
+def texts_of(tmp_path, split):
+    from rlcode.data import corpus
+
+    return corpus.read_texts(str(tmp_path / "corpus"), split)
 
 
 def test_heldout_copy_tells_a_copying_model_from_one_that_does_not(tmp_path):
