@@ -9,8 +9,9 @@ Reads only what the runs logged (`tb/metrics.jsonl`, `summary.json`, `config.jso
 step) and writes runs/agent_repo/agent_repo.json (`--out`; results/agent_repo.json with `--publish`):
 
 * ``curves``: {tag: [[step, value], ...]} of the first run for eval_fresh/success, eval/success,
-  rollout/success, the prefill token counts per step of the three samplers, the saved fraction,
-  step/sample/prefill seconds; ``summary``: start (SFT) and end success of every run with the
+  rollout/success, the tool outcomes of each (read_ok, edit_ok, tool_errors), the prefill token
+  counts per step of the three samplers, the saved fraction, step/sample/prefill seconds;
+  ``summary``: start (SFT) and end of every run's success and eval_fresh tool outcomes with the
   change, RL minutes, mean prefill tokens per step by sampler.
 * ``replay``: the recorded turns of the first run prefilled again by
   `rlcode.session_sampling.replay_prefill` in each mode – ``documents`` (squid, each distinct read file encoded once and
@@ -48,7 +49,11 @@ from rlcode.train.agent import build_tasks
 from rlcode.train.episodes import episode_kwargs
 from rlcode.train.metrics import read_json_lines, read_jsonl
 
+# The tool outcomes (read_ok, edit_ok: share of episodes with a read / edit that succeeded;
+# tool_errors per episode) show whether a policy names real files long before any success.
+TOOL_TAGS = ("read_ok", "edit_ok", "tool_errors")
 CURVE_TAGS = ("eval_fresh/success", "eval/success", "eval_fresh/pass@1", "eval/pass@1", "rollout/success",
+              *(f"{p}/{t}" for p in ("eval_fresh", "eval", "rollout") for t in TOOL_TAGS),
               "rollout/reward", "rollout/turns", "rollout/malformed_calls", "prefill/tokens_full",
               "prefill/tokens_incremental", "prefill/tokens_documents", "prefill/saved_vs_incremental",
               "prefill/saved_vs_full", "prefill/seconds", "decode/seconds", "time/step_s", "time/sample_s",
@@ -68,7 +73,7 @@ def run_summary(run_dir: str, c: dict) -> dict:
     summary = json.load(open(os.path.join(run_dir, "summary.json")))
     out = {"run": run_dir, "completed": summary["completed"], "steps": summary["steps_done"],
            "minutes_total": summary["seconds"] / 60}
-    for tag in ("eval_fresh/success", "eval/success"):
+    for tag in ("eval_fresh/success", "eval/success", *(f"eval_fresh/{t}" for t in TOOL_TAGS)):
         if c.get(tag):
             start, end = c[tag][0][1], c[tag][-1][1]
             out[tag] = {"start": start, "end": end, "change": end - start, "best": max(v for _, v in c[tag])}

@@ -286,6 +286,11 @@ def test_agent_job_end_to_end_and_report(tmp_path):
         whole = rep["whole_cache"][mode]
         assert whole["tokens"] == rep[mode]["tokens"] and whole["bounded_speedup"] > 0
     assert data["summary"][0]["eval_fresh/success"]["start"] == result.first_eval["eval_fresh/success"]
+    for tag in ("eval_fresh/read_ok", "eval_fresh/edit_ok", "eval_fresh/tool_errors"):
+        assert data["summary"][0][tag]["start"] == result.first_eval[tag]
+        assert data["summary"][0][tag]["end"] == result.last_eval[tag]
+    for tag in ("rollout/read_ok", "rollout/edit_ok", "rollout/tool_errors"):
+        assert data["curves"][tag] == [[1, m[tag]]]
 
 
 @pytest.mark.slow
