@@ -37,7 +37,8 @@ def test_the_reward_model_scores_the_episodes_change_and_the_tests_stay_gold(rew
     diff = "".join(line for path in sorted(task.solution_files) for line in difflib.unified_diff(
         task.files[path].splitlines(keepends=True), task.solution_files[path].splitlines(keepends=True),
         fromfile=f"a/{path}", tofile=f"b/{path}"))
-    want = rm.load_reward_model(reward_dir).score([task.instruction], [diff])[0]
+    # Scored alone, as the job scores each episode (a batch of other shapes sums in another order).
+    want = rm.load_reward_model(reward_dir, batch_size=1).score([task.instruction], [diff])[0]
     assert ep.terms["preference"] == pytest.approx(3.0 * float(want), rel=1e-5, abs=1e-6)
     assert ep.terms["tests"] == 0.0 and ep.success and ep.valid
     assert ep.reward == pytest.approx(sum(ep.terms.values()))
