@@ -14,7 +14,10 @@ frequent ids), ``--rows`` rows a step, for
   [2, ``--span``] as the job draws them;
 * ``job_fixed``: the same step, every span exactly ``--span`` tokens;
 * ``adam``: plain `optax.adam` (b2 = 0.999, no clipping) on the mean NLL, spans as ``job``;
-* ``adam_fixed``: plain Adam, fixed spans.
+* ``adam_fixed``: plain Adam, fixed spans;
+* ``job_mixed`` (not run by default): the job's step and spans, but only half of each step's rows
+  are copy rows; the other half are rows of the train split's code (`train_batch`, in the job's
+  order), as a pretraining schedule that must keep the base's code would mix them.
 
 Each variant's batches are the same for a given span rule (the same random generator). Every
 ``--eval_every`` steps it reports the copy NLL (nats per token of the repeats, the first copy
@@ -47,7 +50,8 @@ from rlcode.train import pretrain
 from rlcode.train.sft import SFT_OBJECTIVE
 from rlcode.train.step import init_train_state, make_logprob_fn, make_optimizer, make_train_step, optim_config
 
-VARIANTS = ("job", "job_fixed", "adam", "adam_fixed")
+VARIANTS = ("job", "job_fixed", "adam", "adam_fixed", "job_mixed")
+DEFAULT_VARIANTS = VARIANTS[:4]
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -55,7 +59,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--init", default=pretrain.PUBLISHED, help="Hugging Face checkpoint directory to start from")
     p.add_argument("--corpus", default=".cache/corpus", help="prepared corpus (experiments.prepare_corpus)")
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                   help=f"comma-separated, of {', '.join(VARIANTS)}")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--rows", type=int, default=32)
     p.add_argument("--seq_len", type=int, default=64)
@@ -91,7 +96,7 @@ def probe_nll(logprob, params, rows: dict[str, np.ndarray]) -> float:
     return float(-logp[rows["repeat"]].mean())
 
 
-def run_variant(name: str, args, model, vocab, heldout, probe_rows) -> dict[str, Any]:
+def run_variant(name: str, args, model, vocab, heldout, probe_rows, code: pretrain.PackedCorpus) -> dict[str, Any]:
     fixed = name.endswith("_fixed")
     if name.startswith("job"):
         optimizer = make_optimizer(optim_config(lr=args.lr, warmup_steps=1, min_lr_ratio=1.0,
@@ -130,8 +135,15 @@ def run_variant(name: str, args, model, vocab, heldout, probe_rows) -> dict[str,
     for step in range(1, args.steps + 1):
         spans = (np.full(args.rows, args.span) if fixed else rng.integers(max(args.span // 8, 1), args.span + 1,
                                                                            args.rows))
-        rows = uniform_rows(vocab, args.rows, args.seq_len, spans, rng)
-        state, m = step_fn(state, batch_of(rows))
+        if name == "job_mixed":  # half copy rows (the first spans drawn), half code rows
+            half = args.rows // 2
+            copy = batch_of(uniform_rows(vocab, half, args.seq_len, spans[:half], rng))
+            text = pretrain.train_batch(code.packed, pretrain.batch_rows(step - 1, args.rows - half, code.rows,
+                                                                         args.seed))
+            batch = {k: jnp.concatenate([text[k], copy[k].astype(text[k].dtype)]) for k in copy}
+        else:
+            batch = batch_of(uniform_rows(vocab, args.rows, args.seq_len, spans, rng))
+        state, m = step_fn(state, batch)
         loss = float(m["loss"] if "loss" in m else m["train/loss"])
         if step % args.eval_every == 0 or step == args.steps:
             evaluate(step, loss)
@@ -159,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     results = []
     for name in variants:
         model = hf.load_checkpoint(args.init, dtype="float32", param_dtype="float32")
-        results.append(run_variant(name, args, model, train_vocab, heldout, probe_rows))
+        results.append(run_variant(name, args, model, train_vocab, heldout, probe_rows, train_split))
     print("\n| variant | steps | repeat NLL, spans varied: start -> end | spans fixed | held-out code copy NLL "
           "(first -> repeat) start | end |")
     print("|---|---|---|---|---|---|")

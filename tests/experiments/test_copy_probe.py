@@ -20,7 +20,8 @@ def test_every_variant_runs_and_reports_the_copy_metrics(tmp_path, capsys):
                                     head_dim=16, ffw_dim=64))
     hf.save_checkpoint(model, tmp_path / "base", tokenizer=tok)
     copy_probe.main([f"--init={tmp_path / 'base'}", f"--corpus={tmp_path / 'corpus'}", "--steps=3", "--eval_every=2",
-                     "--rows=4", "--seq_len=32", "--span=8", f"--out={tmp_path / 'out'}"])
+                     "--rows=4", "--seq_len=32", "--span=8", f"--out={tmp_path / 'out'}",
+                     "--variants=" + ",".join(copy_probe.VARIANTS)])
     report = json.load(open(tmp_path / "out" / "copy_probe.json"))
     assert [r["variant"] for r in report["results"]] == list(copy_probe.VARIANTS)
     for r in report["results"]:
@@ -35,6 +36,8 @@ def test_every_variant_runs_and_reports_the_copy_metrics(tmp_path, capsys):
     # Variants that share a span rule see the same batches, so after one optimiser the two differ.
     ends = {r["variant"]: r["curve"][-1]["uniform_repeat_nll"] for r in report["results"]}
     assert ends["job"] != ends["adam"] and ends["job_fixed"] != ends["adam_fixed"]
+    # Mixed: half the rows are code, so its loss differs from the pure-copy variant's on the same steps.
+    assert ends["job_mixed"] != ends["job"]
     assert "| job_fixed | 3 |" in capsys.readouterr().out
 
 
