@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import time
+import types
 from collections.abc import Sequence
 from typing import Any
 
@@ -76,19 +77,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def batch_of(rows: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-    """A train/log-prob batch from `repeated_rows` fields (the SFT objective's advantage of 1)."""
-    B, T = rows["inputs"].shape
-    return {"inputs": jnp.asarray(rows["inputs"]), "targets": jnp.asarray(rows["targets"]),
-            "positions": jnp.asarray(rows["positions"]), "mask": jnp.asarray(rows["mask"]).astype(bool),
-            "segment_ids": jnp.asarray(rows["segment_ids"]), "kv_lengths": jnp.full((B,), T, jnp.int32),
-            "advantages": jnp.ones((B,), jnp.float32), "old_logp": jnp.zeros((B, T), jnp.float32)}
+    """The job's train batch (`train_batch`) of every row of `repeated_rows` fields."""
+    return pretrain.train_batch(types.SimpleNamespace(**rows), np.arange(len(rows["inputs"])))
 
 
 def uniform_rows(vocab: np.ndarray, rows: int, seq_len: int, spans: np.ndarray, rng: np.random.Generator):
-    """`repeated_rows` of uniform ids over a dummy split of `rows` x `seq_len`."""
+    """`repeated_rows` of uniform ids, `rows` rows of `seq_len` (uniform ids read only the split's shapes)."""
     shape = np.zeros((rows, seq_len), np.int32)
-    dummy = type("P", (), {"inputs": shape, "targets": shape, "mask": shape, "segment_ids": shape})
-    return pretrain.repeated_rows(dummy, np.arange(rows), spans, "uniform", rng, vocab)
+    split = types.SimpleNamespace(inputs=shape, targets=shape, mask=shape, segment_ids=shape)
+    return pretrain.repeated_rows(split, np.arange(rows), spans, "uniform", rng, vocab)
 
 
 def probe_nll(logprob, params, rows: dict[str, np.ndarray]) -> float:
@@ -98,14 +95,12 @@ def probe_nll(logprob, params, rows: dict[str, np.ndarray]) -> float:
 
 def run_variant(name: str, args, model, vocab, heldout, probe_rows, code: pretrain.PackedCorpus) -> dict[str, Any]:
     fixed = name.endswith("_fixed")
-    if name.startswith("job"):
-        optimizer = make_optimizer(optim_config(lr=args.lr, warmup_steps=1, min_lr_ratio=1.0,
-                                                total_steps=args.steps, weight_decay=0.0))
-    else:
-        optimizer = optax.adam(args.lr)
+    job_step = name.startswith("job")
+    optimizer = (make_optimizer(optim_config(lr=args.lr, warmup_steps=1, min_lr_ratio=1.0, total_steps=args.steps,
+                                             weight_decay=0.0)) if job_step else optax.adam(args.lr))
     graphdef, state = init_train_state(model, optimizer, args.seed)
     logprob = make_logprob_fn(graphdef)
-    if name.startswith("job"):
+    if job_step:
         step_fn = make_train_step(graphdef, SFT_OBJECTIVE, optimizer)
     else:
         @jax.jit

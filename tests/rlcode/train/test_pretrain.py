@@ -166,12 +166,12 @@ def test_the_job_trains_on_the_repeats_its_config_asks_for(tmp_path, kind):
     """data.repeat_* reach the train step: with every row repeated, each row of the step's batch
     is periodic with a span in [repeat_span // 8, repeat_span], its ids those the kind draws from
     (the row's first span, a sample of the row's tokens, or the train split's vocabulary)."""
-    write_corpus(tmp_path / "corpus")
+    built = write_corpus(tmp_path / "corpus")
     cfg = tiny_config(tmp_path, steps=2, repeat_fraction=1.0, repeat_span=16, repeat_tokens=kind)
     cfg.eval.update(at_start=False, at_end=False)
     seen = []
     pretrain.run(cfg, log=lambda m: None, hooks={"batch": lambda step, b: seen.append(b) or b})
-    train = pretrain.pack_texts(texts_of(tmp_path, "train"), ByteTokenizer(), 64)
+    train = pretrain.pack_texts(built.texts("train"), ByteTokenizer(), 64)
     vocab = set(pretrain.split_vocab(train.packed).tolist())
     assert len(seen) == 2
     differs = 0
@@ -190,12 +190,6 @@ def test_the_job_trains_on_the_repeats_its_config_asks_for(tmp_path, kind):
             else:
                 assert set(seq.tolist()) <= vocab and not np.array_equal(seq[:n], own[:n])
     assert kind != "shuffled" or differs >= 4  # not the rows' first spans
-
-
-def texts_of(tmp_path, split):
-    from rlcode.data import corpus
-
-    return corpus.read_texts(str(tmp_path / "corpus"), split)
 
 
 def test_heldout_copy_tells_a_copying_model_from_one_that_does_not(tmp_path):
