@@ -2,9 +2,12 @@
 
     python -m experiments.copy_probe                      # the committed base, 200 steps per variant
     python -m experiments.copy_probe --steps=100 --variants=job,adam
+    python -m experiments.copy_probe --scratch --variants=job --steps=1500   # the base's shape, fresh
 
-Every variant starts from the same checkpoint (``--init``, default checkpoints/code_base) and
-trains on rows of ``--seq_len`` tokens that are one span of ids repeated (`rlcode.train.pretrain.
+Every variant starts from the same checkpoint (``--init``, default checkpoints/code_base), or with
+``--scratch`` from a fresh initialisation (seed ``--seed``) of its architecture, whose fields
+``--arch`` may change (e.g. ``--arch=num_layers=6,num_heads=8``; the tokenizer stays the
+checkpoint's), and trains on rows of ``--seq_len`` tokens that are one span of ids repeated (`rlcode.train.pretrain.
 repeated_rows`, "uniform": ids drawn from the corpus's train vocabulary, or its ``--vocab_top`` most
 frequent ids), ``--rows`` rows a step, for
 ``--steps`` steps at a constant learning rate. Variants differ in one thing each:
@@ -46,6 +49,7 @@ import optax
 from experiments.cli import summary
 from rlcode.data import corpus
 from rlcode.models import hf
+from rlcode.models.transformer import init_model
 from rlcode.tokenizer import load_tokenizer
 from rlcode.train import pretrain
 from rlcode.train.sft import SFT_OBJECTIVE
@@ -59,6 +63,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m experiments.copy_probe", description=summary(__doc__),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--init", default=pretrain.PUBLISHED, help="Hugging Face checkpoint directory to start from")
+    p.add_argument("--scratch", action="store_true",
+                   help="start from a fresh initialisation of the checkpoint's architecture instead of its weights")
+    p.add_argument("--arch", default="",
+                   help="with --scratch: comma-separated model-config fields to change, e.g. num_layers=6,num_heads=8")
     p.add_argument("--corpus", default=".cache/corpus", help="prepared corpus (experiments.prepare_corpus)")
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                    help=f"comma-separated, of {', '.join(VARIANTS)}")
@@ -74,6 +82,40 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.path.join("runs", "copy_probe"))
     return p.parse_args(argv)
+
+
+def parse_arch(text: str) -> dict[str, int | float]:
+    """``"num_layers=6,num_heads=8"`` -> {"num_layers": 6, "num_heads": 8} (ints, else floats)."""
+    out: dict[str, int | float] = {}
+    for item in filter(None, text.split(",")):
+        name, eq, value = item.partition("=")
+        if not eq or not name.strip():
+            raise SystemExit(f"error: --arch item {item!r}: expected field=value")
+        try:
+            out[name.strip()] = int(value)
+        except ValueError:
+            try:
+                out[name.strip()] = float(value)
+            except ValueError:
+                raise SystemExit(f"error: --arch item {item!r}: {value!r} is not a number") from None
+    return out
+
+
+def scratch_section(args) -> Any:
+    """The model section of the checkpoint's architecture with the ``--arch`` changes."""
+    section = hf.model_config_from_hf(hf.read_config(args.init), dtype="float32", param_dtype="float32")
+    for name, value in parse_arch(args.arch).items():
+        if name not in section:
+            raise SystemExit(f"error: --arch: the model config has no field {name!r}")
+        section[name] = value
+    return section
+
+
+def start_model(args) -> Any:
+    """The model every variant starts from: the checkpoint, or a fresh one of its (changed) architecture."""
+    if not args.scratch:
+        return hf.load_checkpoint(args.init, dtype="float32", param_dtype="float32")
+    return init_model(scratch_section(args), args.seed)
 
 
 def batch_of(rows: dict[str, np.ndarray]) -> dict[str, jax.Array]:
@@ -142,12 +184,20 @@ def run_variant(name: str, args, model, vocab, heldout, probe_rows, code: pretra
         loss = float(m["loss"] if "loss" in m else m["train/loss"])
         if step % args.eval_every == 0 or step == args.steps:
             evaluate(step, loss)
-    return {"variant": name, "curve": curve, "seconds": time.perf_counter() - t0}
+    return {"variant": name, "curve": curve, "seconds": time.perf_counter() - t0,
+            "parameters": int(sum(x.size for x in jax.tree.leaves(state.params)))}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
+    arch = parse_arch(args.arch)  # a malformed --arch fails before the corpus is read
+    if arch and not args.scratch:
+        raise SystemExit("error: --arch changes the architecture of a fresh model: it needs --scratch")
+    if "vocab_size" in arch:
+        raise SystemExit("error: --arch cannot change vocab_size: the rows use the checkpoint's tokenizer")
+    if args.scratch:
+        init_model(scratch_section(args), args.seed)  # an impossible shape fails here, not after the corpus
     bad = [v for v in variants if v not in VARIANTS]
     if bad:
         raise SystemExit(f"error: unknown variants {bad}; expected some of {VARIANTS}")
@@ -165,7 +215,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                   "fixed": uniform_rows(vocab, 64, args.seq_len, np.full(64, args.span), probe_rng)}
     results = []
     for name in variants:
-        model = hf.load_checkpoint(args.init, dtype="float32", param_dtype="float32")
+        model = start_model(args)
         results.append(run_variant(name, args, model, train_vocab, heldout, probe_rows, train_split))
     print("\n| variant | steps | repeat NLL, spans varied: start -> end | spans fixed | held-out code copy NLL "
           "(first -> repeat) start | end |")

@@ -3,7 +3,9 @@ rows and reports the copy metrics it documents."""
 
 import json
 
+import jax
 import pytest
+from flax import nnx
 from support.tiny_corpus import write_corpus
 
 from experiments import copy_probe
@@ -44,3 +46,45 @@ def test_every_variant_runs_and_reports_the_copy_metrics(tmp_path, capsys):
 def test_unknown_variant_is_refused(tmp_path):
     with pytest.raises(SystemExit, match="unknown variants"):
         copy_probe.main(["--variants=job,sgd", f"--out={tmp_path}"])
+
+
+@pytest.mark.slow
+def test_scratch_starts_from_a_fresh_model_of_the_checkpoints_changed_architecture(tmp_path):
+    write_corpus(tmp_path / "corpus")
+    tok = ByteTokenizer()
+    shape = dict(vocab_size=tok.vocab_size, d_model=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
+                 ffw_dim=64)
+    hf.save_checkpoint(init_model(model_config(**shape), seed=3), tmp_path / "base", tokenizer=tok)
+    common = [f"--init={tmp_path / 'base'}", f"--corpus={tmp_path / 'corpus'}", "--steps=1", "--eval_every=1",
+              "--rows=4", "--seq_len=32", "--span=8", "--variants=job"]
+
+    def run(*extra):
+        out = tmp_path / f"out{len(list(tmp_path.glob('out*')))}"
+        copy_probe.main(common + [f"--out={out}", *extra])
+        return json.load(open(out / "copy_probe.json"))["results"][0]
+
+    base, fresh, wider = run(), run("--scratch"), run("--scratch", "--arch=num_layers=2,ffw_dim=96")
+    sizes = {k: sum(x.size for x in jax.tree.leaves(nnx.state(init_model(model_config(**{**shape, **v}))))) for k, v in
+             {"base": {}, "wider": {"num_layers": 2, "ffw_dim": 96}}.items()}
+    assert base["parameters"] == fresh["parameters"] == sizes["base"]
+    assert wider["parameters"] == sizes["wider"]
+    # The fresh model is not the checkpoint: its step-0 metrics differ (seed 0, the checkpoint's seed 3).
+    assert base["curve"][0]["uniform_repeat_nll"] != fresh["curve"][0]["uniform_repeat_nll"]
+    assert fresh["curve"][0]["uniform_repeat_nll"] != wider["curve"][0]["uniform_repeat_nll"]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--arch=num_layers=2"], "needs --scratch"),
+    (["--scratch", "--arch=num_layerz=2"], "no field 'num_layerz'"),
+    (["--scratch", "--arch=vocab_size=512"], "cannot change vocab_size"),
+    (["--scratch", "--arch=num_layers"], "expected field=value"),
+    (["--scratch", "--arch=num_layers=two"], "not a number"),
+])
+def test_a_bad_arch_is_refused_before_any_work(tmp_path, extra, message):
+    tok = ByteTokenizer()
+    hf.save_checkpoint(init_model(model_config(vocab_size=tok.vocab_size, d_model=32, num_layers=1, num_heads=2,
+                                               num_kv_heads=1, head_dim=16, ffw_dim=64)), tmp_path / "base",
+                       tokenizer=tok)
+    with pytest.raises(SystemExit, match=message):
+        copy_probe.main([f"--init={tmp_path / 'base'}", f"--corpus={tmp_path / 'no_corpus'}", f"--out={tmp_path}",
+                         *extra])
