@@ -75,10 +75,14 @@ PLOT_ASYNC = _plot_training_command(
     "docs/figures/grpo_synth_async.png", "Sync vs async (max_staleness 1), byte-level policy, seeds 0 and 1",
     "python -m experiments.train --config=configs/grpo_synth.py:base=bytes --config.seed=S [--config.rollout.async=True] "
     "--config.workdir=runs/grpo_synth[_async]/seedS", mean=False)
-# The command recorded in results/ablate_loss.json (2 seeds x 40 steps, the byte-level policy: then the
-# default, now base=bytes), with the flag that publishes.
-ABLATE_LOSS = ("python -m experiments.ablate --config=configs/grpo_synth.py:base=bytes --sweep=loss:grpo,dr_grpo,dapo,gspo,cispo,ppo "
-               "--seeds=2 --set train.steps=40 --set eval.every=20 --threshold=0.08 --name=loss --publish")
+# The commands recorded in results/ablate_loss.json and results/ablate_loss_heldout.json (2 seeds x 40
+# steps from the pretrained base; the second is the first's runs tabled on eval/), with the flag that publishes.
+ABLATE_LOSS = ("python -m experiments.ablate --config=configs/grpo_synth.py --sweep=loss:grpo,dr_grpo,dapo,gspo,cispo,ppo "
+               "--seeds=2 --set train.steps=40 --set eval.every=20 --threshold=0.2 --name=loss --publish")
+ABLATE_LOSS_HELDOUT = ("python -m experiments.ablate --config=configs/grpo_synth.py "
+                       "--sweep=loss:grpo,dr_grpo,dapo,gspo,cispo,ppo --seeds=2 --set train.steps=40 --set eval.every=20 "
+                       "--threshold=0.02 --name=loss_heldout --out_dir=runs/ablate/loss --metric=eval/pass@1 "
+                       "--table_only --publish")
 MOE_PRECISION = ("python -m experiments.moe_precision --publish",
                  "python -m experiments.moe_precision --seed=1 --workdir=runs/moe_precision_seed1 "
                  "--out=results/moe_precision_seed1.json",
@@ -106,6 +110,7 @@ PRODUCERS = {
     "results/grpo_synth.json": SUMMARIZE_SYNC,
     "results/grpo_synth_async.json": SUMMARIZE_ASYNC,
     "results/ablate_loss.json": ABLATE_LOSS,
+    "results/ablate_loss_heldout.json": ABLATE_LOSS_HELDOUT,
     "results/bench_attention.json": "python -m experiments.bench_attention --publish",
     "results/moe_precision.json": MOE_PRECISION[0],
     "results/moe_precision_seed1.json": MOE_PRECISION[1],
@@ -572,8 +577,8 @@ def bench_sandbox_notes(data: dict) -> str:
             + (" (--quick)" if d.get("quick") else "") + f". {d.get('notes', '')}")
 
 
-def ablate_notes(data: dict) -> str:
-    return ablate.markdown_table(data["results/ablate_loss.json"]).strip()
+def ablate_notes(path: str):
+    return lambda data: ablate.markdown_table(data[path]).strip()
 
 
 # ------------------------------------------------------------------------------ the registry
@@ -636,7 +641,13 @@ FIGURES: dict[str, FigureSpec] = {f.name: f for f in (
         "Objective ablation on the main job: per objective the mean over its seeds (min-max shaded) of the eval "
         "metric, best-of-n and the training reward; the table (also results/ablate_loss.md) gives final values, "
         "steps to the threshold and wall time.",
-        (ABLATE_LOSS,), notes=ablate_notes),
+        (ABLATE_LOSS,), notes=ablate_notes("results/ablate_loss.json")),
+    FigureSpec(
+        "ablate_loss_heldout", ("results/ablate_loss_heldout.json",),
+        lambda d, out: ablate.plot_ablation(d["results/ablate_loss_heldout.json"], out),
+        "The objective ablation's runs on the held-out behaviours (eval/): pass@1, best-of-16 and the training "
+        "reward per objective; the table (also results/ablate_loss_heldout.md) gives final values.",
+        (ABLATE_LOSS, ABLATE_LOSS_HELDOUT), notes=ablate_notes("results/ablate_loss_heldout.json")),
     FigureSpec(
         "pass_at_k", ("results/grpo_synth.json",),
         lambda d, out: draw_pass_at_k(d["results/grpo_synth.json"], out),
