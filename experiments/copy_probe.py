@@ -49,7 +49,7 @@ import optax
 from experiments.cli import summary
 from rlcode.data import corpus
 from rlcode.models import hf
-from rlcode.models.transformer import init_model
+from rlcode.models.transformer import ModelConfig, init_model
 from rlcode.tokenizer import load_tokenizer
 from rlcode.train import pretrain
 from rlcode.train.sft import SFT_OBJECTIVE
@@ -101,21 +101,23 @@ def parse_arch(text: str) -> dict[str, int | float]:
     return out
 
 
-def scratch_section(args) -> Any:
-    """The model section of the checkpoint's architecture with the ``--arch`` changes."""
-    section = hf.model_config_from_hf(hf.read_config(args.init), dtype="float32", param_dtype="float32")
-    for name, value in parse_arch(args.arch).items():
+def scratch_section(init: str, arch: dict[str, int | float]) -> Any:
+    """The model section of checkpoint `init`'s architecture with the `arch` changes, validated
+    (an impossible shape fails here, before the corpus is read)."""
+    section = hf.model_config_from_hf(hf.read_config(init), dtype="float32", param_dtype="float32")
+    for name, value in arch.items():
         if name not in section:
             raise SystemExit(f"error: --arch: the model config has no field {name!r}")
         section[name] = value
+    ModelConfig.from_config(section)
     return section
 
 
-def start_model(args) -> Any:
-    """The model every variant starts from: the checkpoint, or a fresh one of its (changed) architecture."""
-    if not args.scratch:
+def start_model(args, section: Any) -> Any:
+    """The model every variant starts from: the checkpoint (`section` None), or a fresh one of `section`."""
+    if section is None:
         return hf.load_checkpoint(args.init, dtype="float32", param_dtype="float32")
-    return init_model(scratch_section(args), args.seed)
+    return init_model(section, args.seed)
 
 
 def batch_of(rows: dict[str, np.ndarray]) -> dict[str, jax.Array]:
@@ -196,8 +198,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit("error: --arch changes the architecture of a fresh model: it needs --scratch")
     if "vocab_size" in arch:
         raise SystemExit("error: --arch cannot change vocab_size: the rows use the checkpoint's tokenizer")
-    if args.scratch:
-        init_model(scratch_section(args), args.seed)  # an impossible shape fails here, not after the corpus
+    section = scratch_section(args.init, arch) if args.scratch else None
     bad = [v for v in variants if v not in VARIANTS]
     if bad:
         raise SystemExit(f"error: unknown variants {bad}; expected some of {VARIANTS}")
@@ -215,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                   "fixed": uniform_rows(vocab, 64, args.seq_len, np.full(64, args.span), probe_rng)}
     results = []
     for name in variants:
-        model = start_model(args)
+        model = start_model(args, section)
         results.append(run_variant(name, args, model, train_vocab, heldout, probe_rows, train_split))
     print("\n| variant | steps | repeat NLL, spans varied: start -> end | spans fixed | held-out code copy NLL "
           "(first -> repeat) start | end |")

@@ -88,3 +88,13 @@ def test_a_bad_arch_is_refused_before_any_work(tmp_path, extra, message):
     with pytest.raises(SystemExit, match=message):
         copy_probe.main([f"--init={tmp_path / 'base'}", f"--corpus={tmp_path / 'no_corpus'}", f"--out={tmp_path}",
                          *extra])
+
+
+def test_an_impossible_arch_shape_is_refused_before_any_work(tmp_path):
+    tok = ByteTokenizer()
+    hf.save_checkpoint(init_model(model_config(vocab_size=tok.vocab_size, d_model=32, num_layers=1, num_heads=2,
+                                               num_kv_heads=1, head_dim=16, ffw_dim=64)), tmp_path / "base",
+                       tokenizer=tok)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        copy_probe.main([f"--init={tmp_path / 'base'}", f"--corpus={tmp_path / 'no_corpus'}", f"--out={tmp_path}",
+                         "--scratch", "--arch=num_kv_heads=4"])
