@@ -79,15 +79,18 @@ def get_config(arg=None):
     from_base = start_from_base(cfg, choices["base"])
     cfg.mesh = mesh_config()
 
-    # num_train tasks are RL prompts; the first num_demos of them are also SFT demonstrations. Every
-    # train task is a demonstration: with 400 the policy learnt the demonstrations' own package
-    # names instead of copying the prompt's (0 of 512 fresh episodes succeeded; 2,000 and 600 SFT
-    # steps: 47% of 128; README, "Agent RL on repository tasks").
+    # The first num_demos of the num_train tasks are SFT demonstrations; RL draws its prompts from
+    # the rest (rl_tasks="undemonstrated"; "all": from every train task). Every demonstration is a
+    # distinct task: with 400 the policy learnt the demonstrations' own package names instead of
+    # copying the prompt's (0 of 512 fresh episodes succeeded; 2,000 and 600 SFT steps: 47% of 128).
+    # RL on the demonstrated tasks themselves rewarded recalling them (README, "Agent RL on
+    # repository tasks").
     # source: "repo" (the generated repository tasks) or "mined" (bug-fix tasks in real projects,
     # prepared once into mined_dir by `python -m experiments.prepare_mined`; no fresh set).
     cfg.task = ml_collections.ConfigDict({"source": "repo", "mined_dir": ".cache/mined",
-                                          "levels": tuple(int(c) for c in choices["levels"]), "num_train": 2000,
-                                          "num_demos": 2000, "num_fresh": 32, "num_eval": 8, "seed": 0})
+                                          "levels": tuple(int(c) for c in choices["levels"]), "num_train": 4000,
+                                          "num_demos": 2000, "rl_tasks": "undemonstrated", "num_fresh": 32,
+                                          "num_eval": 8, "seed": 0})
     cfg.agent = ml_collections.ConfigDict({
         "max_turns": 6, "max_context_tokens": 3072, "max_response_tokens": 192, "summarize": True,
         "compact_prompt": True, "expert_style": "compact", "prefill": "documents",

@@ -120,6 +120,30 @@ def build_tasks(cfg: Any, sets: Sequence[str] = TASK_SETS,
             "eval": make("eval", counts["eval"], t.seed)}
 
 
+# Which train tasks RL draws its prompts from: "all", or "undemonstrated" (those after the first
+# task.num_demos, which the SFT warm start never saw: its success on a demonstrated task can come
+# from recalling the demonstration, so RL on those rewards recall rather than reading the task).
+RL_TASK_POOLS = ("all", "undemonstrated")
+
+
+def rl_task_indices(cfg: Any) -> range:
+    """The indices into the train set that RL steps draw prompts from (``task.rl_tasks``)."""
+    pool = cfg.task.get("rl_tasks", "all")
+    start = cfg.task.num_demos if pool == "undemonstrated" and cfg.sft.steps > 0 else 0
+    return range(start, cfg.task.num_train)
+
+
+def rl_prompts(cfg: Any, num_train_tasks: int, count: int) -> np.ndarray:
+    """The `rollout.prompts_per_step` distinct train-task indices of RL batch `count`: a function
+    of (seed, count), drawn from `rl_task_indices` (cut to the `num_train_tasks` that exist)."""
+    pool = np.arange(num_train_tasks)[rl_task_indices(cfg).start:]
+    P = cfg.rollout.prompts_per_step
+    if len(pool) < P:
+        raise ConfigError(f"task.rl_tasks={cfg.task.get('rl_tasks', 'all')!r}: {len(pool)} train tasks to draw "
+                          f"from, fewer than rollout.prompts_per_step={P}")
+    return pool[np.random.default_rng([cfg.seed, count]).choice(len(pool), P, replace=False)]
+
+
 # --------------------------------------------------------------------------------------------
 # Config
 # --------------------------------------------------------------------------------------------
@@ -129,7 +153,8 @@ AGENT_SECTIONS = {
     "job": text(("agent",)),
     "task": {"source": text(("repo", "mined"), required=False), "mined_dir": text(required=False),
              "levels": sequence(integer(choices=repo_tasks.LEVELS), min_len=1), "num_train": integer(1),
-             "num_demos": integer(0), "num_fresh": integer(0), "num_eval": integer(0), "seed": SEED},
+             "num_demos": integer(0), "num_fresh": integer(0), "num_eval": integer(0), "seed": SEED,
+             "rl_tasks": text(RL_TASK_POOLS, required=False)},
     "agent": {"max_turns": integer(1), "max_context_tokens": integer(1), "max_response_tokens": integer(1),
               "summarize": flag(), "compact_prompt": flag(), "expert_style": text(repo_tasks.EXPERT_STYLES),
               "prefill": text(PREFILL_MODES), "tools": sequence(text(tuple(tools.TOOLS)))},
@@ -176,6 +201,10 @@ def validate_config(cfg: Any, num_devices: int | None = None,
     if cfg.sft.steps > 0 and not 1 <= cfg.task.num_demos <= cfg.task.num_train:
         raise ConfigError(f"task.num_demos={cfg.task.num_demos}: the warm start (sft.steps={cfg.sft.steps}) needs "
                           f"1 to task.num_train={cfg.task.num_train} demonstrations")
+    if len(rl_task_indices(cfg)) < P and cfg.task.get("source", "repo") != "mined":
+        raise ConfigError(f"task.rl_tasks='undemonstrated': task.num_train={cfg.task.num_train} leaves "
+                          f"{len(rl_task_indices(cfg))} tasks after the task.num_demos={cfg.task.num_demos} "
+                          f"demonstrations, fewer than rollout.prompts_per_step={P}")
     if cfg.agent.tools and "submit" not in cfg.agent.tools:
         raise ConfigError(f"agent.tools={tuple(cfg.agent.tools)}: 'submit' is required. "
                           f"Available: {sorted(tools.TOOLS)}")
@@ -256,14 +285,14 @@ def plan(ctx: Context, tasks: dict) -> Plan:
         sampler = eval_sampler = session_sampler(max(P * G, cfg.eval.batch_rows))
     base_key = jax.random.key(cfg.seed)
     eval_key = jax.random.fold_in(base_key, 2)
+    rl_prompts(cfg, len(tasks["train"]), 0)  # too few tasks to draw from fails before any step
     episodes_path = os.path.join(ctx.workdir, "episodes.jsonl")
     repair_json_lines(episodes_path)  # a run killed mid-line left a torn record
     episodes_log = ctx.resources.enter_context(open(episodes_path, "a"))
 
     def collect(params, version, count):
         t0 = time.perf_counter()
-        rng = np.random.default_rng([cfg.seed, count])
-        picked = rng.choice(len(tasks["train"]), P, replace=False)
+        picked = rl_prompts(cfg, len(tasks["train"]), count)
         batch_tasks = [tasks["train"][i] for i in picked for _ in range(G)]
         record = cfg.log.record_every > 0 and count % cfg.log.record_every == 0
         episodes = play_episodes(batch_tasks, sampler, params, jax.random.fold_in(base_key, 10 + count), pool, tok,

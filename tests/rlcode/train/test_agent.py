@@ -196,7 +196,9 @@ def test_config_errors():
         ("reward.length_growth", 0.5, "reward.length_growth"),
         ("reward.hack_flags", ("tampered", "nope"), "reward.hack_flags"),
         ("task.num_demos", 5000, "task.num_demos=5000"),
-        ("rollout.prompts_per_step", 5000, "task.num_train=2000"),
+        ("task.rl_tasks", "demos", "task.rl_tasks='demos'"),
+        ("task.num_train", 2002, "task.num_train=2002 leaves 2 tasks after the task.num_demos=2000 demonstrations"),
+        ("rollout.prompts_per_step", 5000, "task.num_train=4000"),
         ("advantage.estimator", "gae", "advantage.estimator='gae'"),
         ("loss.kl_penalty", "reward", "loss.kl_penalty='reward'"),
         ("train.microbatches", 3, "train.microbatches=3"),
@@ -214,6 +216,24 @@ def test_agent_config_values_are_checked_like_the_main_job(field, value, message
     with pytest.raises(ConfigError) as e:
         agent.validate_config(cfg, 1)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_rl_prompts_come_from_the_tasks_the_warm_start_never_saw():
+    cfg = tiny("squid")
+    cfg.task.num_train, cfg.task.num_demos, cfg.rollout.prompts_per_step = 50, 40, 4
+    drawn = [agent.rl_prompts(cfg, 50, count) for count in range(60)]
+    assert all(len(set(d)) == 4 for d in drawn)  # distinct tasks within a step
+    assert set(np.concatenate(drawn)) == set(range(40, 50))  # every undemonstrated task, no demonstration
+    assert np.array_equal(agent.rl_prompts(cfg, 50, 7), drawn[7])  # a function of (seed, count)
+    cfg.task.rl_tasks = "all"  # the draw of every train task is the one runs have always made
+    for count in range(5):
+        old = np.random.default_rng([cfg.seed, count]).choice(50, 4, replace=False)
+        assert np.array_equal(agent.rl_prompts(cfg, 50, count), old)
+    cfg.task.rl_tasks, cfg.sft.steps = "undemonstrated", 0  # no warm start: no task was demonstrated
+    assert set(np.concatenate([agent.rl_prompts(cfg, 50, c) for c in range(60)])) == set(range(50))
+    cfg.sft.steps = 10
+    with pytest.raises(ConfigError, match="3 train tasks to draw from, fewer than rollout.prompts_per_step=4"):
+        agent.rl_prompts(cfg, 43, 0)  # e.g. a mined train split shorter than task.num_train
 
 
 def test_every_field_of_the_agent_job_is_checked():
@@ -250,6 +270,7 @@ def test_agent_job_end_to_end_and_report(tmp_path):
     cfg.model.num_layers = 1  # what is checked (outputs, prefill counts, replay) does not depend on depth
     cfg.workdir = str(tmp_path / "run")
     cfg.task.num_train, cfg.task.num_demos, cfg.task.num_fresh, cfg.task.num_eval = 6, 3, 1, 1
+    cfg.seed = 1  # the first draw from all six tasks would be a demonstration (task 2); RL draws from 3-5
     cfg.sft.steps, cfg.sft.batch_size, cfg.sft.cache_dir = 2, 2, str(tmp_path / "cache")
     cfg.train.steps = 1
     cfg.rollout.prompts_per_step = 1
@@ -273,6 +294,13 @@ def test_agent_job_end_to_end_and_report(tmp_path):
     assert os.path.exists(os.path.join(cfg.workdir, "summary.json"))
     # The expert demonstrations were cached, and the SFT warm start with them.
     assert any(n.startswith("agent_demos_") for n in os.listdir(cfg.sft.cache_dir))
+
+    # The RL batch played one of the tasks that were not demonstrations (task.rl_tasks).
+    first_prompt = ByteTokenizer().decode(next(iter(json.loads(
+        open(os.path.join(cfg.workdir, "episodes.jsonl")).readline())["turns"][0].values()))[0])
+    train = agent.build_tasks(cfg, sets=("train",))["train"]
+    assert [i for i, t in enumerate(train) if t.instruction in first_prompt] == [agent.rl_prompts(cfg, 6, 0)[0]]
+    assert agent.rl_prompts(cfg, 6, 0)[0] >= 3
 
     out = tmp_path / "agent_repo.json"
     assert agent_report.main(["--runs", cfg.workdir, "--out", str(out), "--rounds", "1", "--no_warmup"]) == 0
