@@ -13,14 +13,19 @@ from rlcode.models import hf
 from rlcode.models.transformer import init_model, model_config
 from rlcode.tokenizer import ByteTokenizer
 
+TINY_SHAPE = dict(vocab_size=ByteTokenizer().vocab_size, d_model=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                  head_dim=16, ffw_dim=64)
+
+
+def save_tiny_base(path, seed=0):
+    """A one-layer byte-level checkpoint of TINY_SHAPE (the probe's --init)."""
+    hf.save_checkpoint(init_model(model_config(**TINY_SHAPE), seed=seed), path, tokenizer=ByteTokenizer())
+
 
 @pytest.mark.slow
 def test_every_variant_runs_and_reports_the_copy_metrics(tmp_path, capsys):
     write_corpus(tmp_path / "corpus")
-    tok = ByteTokenizer()
-    model = init_model(model_config(vocab_size=tok.vocab_size, d_model=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                                    head_dim=16, ffw_dim=64))
-    hf.save_checkpoint(model, tmp_path / "base", tokenizer=tok)
+    save_tiny_base(tmp_path / "base")
     copy_probe.main([f"--init={tmp_path / 'base'}", f"--corpus={tmp_path / 'corpus'}", "--steps=3", "--eval_every=2",
                      "--rows=4", "--seq_len=32", "--span=8", f"--out={tmp_path / 'out'}",
                      "--variants=" + ",".join(copy_probe.VARIANTS)])
@@ -51,10 +56,8 @@ def test_unknown_variant_is_refused(tmp_path):
 @pytest.mark.slow
 def test_scratch_starts_from_a_fresh_model_of_the_checkpoints_changed_architecture(tmp_path):
     write_corpus(tmp_path / "corpus")
-    tok = ByteTokenizer()
-    shape = dict(vocab_size=tok.vocab_size, d_model=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
-                 ffw_dim=64)
-    hf.save_checkpoint(init_model(model_config(**shape), seed=3), tmp_path / "base", tokenizer=tok)
+    shape = TINY_SHAPE
+    save_tiny_base(tmp_path / "base", seed=3)
     common = [f"--init={tmp_path / 'base'}", f"--corpus={tmp_path / 'corpus'}", "--steps=1", "--eval_every=1",
               "--rows=4", "--seq_len=32", "--span=8", "--variants=job"]
 
@@ -81,20 +84,14 @@ def test_scratch_starts_from_a_fresh_model_of_the_checkpoints_changed_architectu
     (["--scratch", "--arch=num_layers=two"], "not a number"),
 ])
 def test_a_bad_arch_is_refused_before_any_work(tmp_path, extra, message):
-    tok = ByteTokenizer()
-    hf.save_checkpoint(init_model(model_config(vocab_size=tok.vocab_size, d_model=32, num_layers=1, num_heads=2,
-                                               num_kv_heads=1, head_dim=16, ffw_dim=64)), tmp_path / "base",
-                       tokenizer=tok)
+    save_tiny_base(tmp_path / "base")
     with pytest.raises(SystemExit, match=message):
         copy_probe.main([f"--init={tmp_path / 'base'}", f"--corpus={tmp_path / 'no_corpus'}", f"--out={tmp_path}",
                          *extra])
 
 
 def test_an_impossible_arch_shape_is_refused_before_any_work(tmp_path):
-    tok = ByteTokenizer()
-    hf.save_checkpoint(init_model(model_config(vocab_size=tok.vocab_size, d_model=32, num_layers=1, num_heads=2,
-                                               num_kv_heads=1, head_dim=16, ffw_dim=64)), tmp_path / "base",
-                       tokenizer=tok)
+    save_tiny_base(tmp_path / "base")
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         copy_probe.main([f"--init={tmp_path / 'base'}", f"--corpus={tmp_path / 'no_corpus'}", f"--out={tmp_path}",
                          "--scratch", "--arch=num_kv_heads=4"])
