@@ -69,10 +69,15 @@ def curves(run_dir: str) -> dict[str, list[list[float]]]:
     return out
 
 
-def run_summary(run_dir: str, c: dict) -> dict:
+def run_summary(run_dir: str, c: dict, mean_steps: int | None = None) -> dict:
+    """Start, end, change and best of the evaluations; per-step means of the prefill counts and
+    times over every step, or over steps 1..`mean_steps` (two runs compared on the same steps)."""
     summary = json.load(open(os.path.join(run_dir, "summary.json")))
     out = {"run": run_dir, "completed": summary["completed"], "steps": summary["steps_done"],
            "minutes_total": summary["seconds"] / 60}
+    per_step = {tag: [v for step, v in c.get(tag, []) if mean_steps is None or step <= mean_steps]
+                for tag in CURVE_TAGS}
+    out["mean_over_steps"] = len(per_step["time/sample_s"])
     for tag in ("eval_fresh/success", "eval/success", *(f"eval_fresh/{t}" for t in TOOL_TAGS)):
         if c.get(tag):
             start, end = c[tag][0][1], c[tag][-1][1]
@@ -80,11 +85,11 @@ def run_summary(run_dir: str, c: dict) -> dict:
     if c.get("time/rl_minutes"):
         out["rl_minutes"] = c["time/rl_minutes"][-1][1]
     for mode in ("full", "incremental", "documents"):
-        vals = [v for _, v in c.get(f"prefill/tokens_{mode}", [])]
+        vals = per_step[f"prefill/tokens_{mode}"]
         if vals:
             out[f"prefill_tokens_per_step_{mode}"] = float(np.mean(vals))
-    for tag in ("time/step_s", "time/sample_s", "prefill/seconds"):
-        vals = [v for _, v in c.get(tag, [])]
+    for tag in ("time/step_s", "time/sample_s", "prefill/seconds", "decode/seconds"):
+        vals = per_step[tag]
         if vals:
             out[f"mean_{tag.replace('/', '_')}"] = float(np.mean(vals))
     return out
@@ -178,6 +183,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "(to check the token counts quickly)")
     p.add_argument("--max_turn_sets", type=int, default=None, help="replay only the first N recorded steps")
     p.add_argument("--no_replay", action="store_true")
+    p.add_argument("--mean_steps", type=int, default=None, help="per-step means (prefill tokens, sampling and "
+                   "step seconds) over steps 1..N of every run, e.g. to compare a run with "
+                   "--config.agent.prefill=incremental against the same seed's run on the steps both made")
     p.add_argument("--expert", default="", help="P,G: also replay batches of the scripted expert on P train "
                    "tasks x G episodes each (episodes that read the right files)")
     a = p.parse_args(argv)
@@ -190,7 +198,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     data = {"command": "python -m experiments.agent_report " + " ".join(argv if argv is not None else sys.argv[1:])}
     if runs:
         per_run = [curves(r) for r in runs]
-        data.update(runs=runs, curves=per_run[0], summary=[run_summary(r, c) for r, c in zip(runs, per_run)])
+        data.update(runs=runs, curves=per_run[0],
+                    summary=[run_summary(r, c, a.mean_steps) for r, c in zip(runs, per_run)])
         cfg = run_config(runs[0])
     else:
         from experiments.ablate import load_config_module  # noqa: PLC0415

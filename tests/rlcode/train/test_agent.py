@@ -476,3 +476,26 @@ def test_episode_metrics_count_the_tool_calls_that_succeeded(tmp_path):
     assert m["eval/read_ok"] == pytest.approx(2 / 3)
     assert m["eval/edit_ok"] == pytest.approx(1 / 3)
     assert m["eval/tool_errors"] == pytest.approx(2 / 3)
+
+
+def test_agent_report_means_over_the_steps_two_runs_share(tmp_path):
+    """--mean_steps: per-step means over steps 1..N only (a shorter run of the same seed compared
+    on the steps both made); the evaluations' start and end stay the run's own."""
+    from experiments import agent_report
+
+    run = tmp_path / "run"
+    (run / "tb").mkdir(parents=True)
+    json.dump({"completed": True, "steps_done": 4, "seconds": 600.0}, open(run / "summary.json", "w"))
+    rows = [{"step": 0, "eval_fresh/success": 0.25}]
+    rows += [{"step": s, "time/sample_s": 10.0 * s, "decode/seconds": float(s), "prefill/tokens_documents": 100.0 * s}
+             for s in (1, 2, 3, 4)]
+    rows += [{"step": 4, "eval_fresh/success": 0.5}]
+    with open(run / "tb" / "metrics.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    c = agent_report.curves(str(run))
+    every, first = agent_report.run_summary(str(run), c), agent_report.run_summary(str(run), c, mean_steps=2)
+    assert (every["mean_over_steps"], first["mean_over_steps"]) == (4, 2)
+    assert every["mean_time_sample_s"] == 25.0 and first["mean_time_sample_s"] == 15.0
+    assert first["mean_decode_seconds"] == 1.5 and first["prefill_tokens_per_step_documents"] == 150.0
+    assert first["eval_fresh/success"] == every["eval_fresh/success"] == {"start": 0.25, "end": 0.5, "change": 0.25,
+                                                                          "best": 0.5}
