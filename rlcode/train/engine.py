@@ -442,7 +442,7 @@ def _warm_start(ctx: Context, demos: Any) -> tuple[Any, dict]:
         return None, {"cached": False, "seconds": 0.0, "history": []}
     bar = Progress(cfg.sft.steps, desc="sft")
     try:
-        params, info = sft_lib.load_or_train(cfg.model, cfg.sft, demos, cfg.seed,
+        params, info = sft_lib.load_or_train(cfg.model, cfg.sft, demos, sft_lib.warm_start_seed(cfg),
                                              on_step=lambda s, m: bar.update(s + 1, nll=m["nll"]), log=ctx.say)
     finally:
         bar.close()

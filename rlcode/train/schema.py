@@ -52,7 +52,7 @@ MODEL_SPECS = {
 LOSS_SPECS = {**losses.POLICY_SPECS, **losses.OBJECTIVE_SPECS}
 SFT_SPECS = {"steps": integer(0), "batch_size": integer(1), "microbatches": integer(1), "lr": real(0, low_open=True),
              "warmup_steps": integer(0), "min_lr_ratio": real(0, 1), "weight_decay": real(0), "grad_clip": real(0),
-             "cache_dir": text(), "log_every": integer(0)}
+             "cache_dir": text(), "log_every": integer(0), "seed": integer(-1, required=False)}
 OPTIM_SPECS = {"lr": real(0, low_open=True), "warmup_steps": integer(0), "total_steps": integer(1),
                "min_lr_ratio": real(0, 1), "b1": real(0, 1, high_open=True), "b2": real(0, 1, high_open=True),
                "eps": real(0, low_open=True), "weight_decay": real(0), "grad_clip": real(0)}

@@ -57,6 +57,8 @@ def sft_config(**overrides: Any) -> ml_collections.ConfigDict:
             "grad_clip": 1.0,
             "cache_dir": "runs/sft_cache",
             "log_every": 50,
+            # The warm start's seed; -1: the run's. RL seeds compared from one warm start set it.
+            "seed": -1,
         }
     )
     apply_overrides(cfg, overrides, "sft")
@@ -93,11 +95,17 @@ def _demo_batch(demos: Any, ids: np.ndarray) -> dict[str, jax.Array]:
     return demo_batch(demos, ids) if isinstance(demos, EncodedTasks) else demos.batch(ids)
 
 
+def warm_start_seed(cfg: Any) -> int:
+    """The seed of a job's SFT warm start: ``sft.seed``, or the run's ``seed`` where it is -1."""
+    seed = cfg.sft.get("seed", -1)
+    return cfg.seed if seed < 0 else seed
+
+
 def cache_key(model_cfg: Any, sft_cfg: Any, demos: Any, seed: int) -> str:
     model = model_cfg.to_dict() if hasattr(model_cfg, "to_dict") else dict(model_cfg)
     model.pop("value_head", None)
     sft = sft_cfg.to_dict() if hasattr(sft_cfg, "to_dict") else dict(sft_cfg)
-    for k in ("cache_dir", "log_every"):
+    for k in ("cache_dir", "log_every", "seed"):  # the seed used is the `seed` argument
         sft.pop(k, None)
     if model.get("init_from"):  # the starting weights are part of what the warm start depends on
         model["init_from"] = hf.checkpoint_fingerprint(model["init_from"])

@@ -54,3 +54,31 @@ def test_warm_start_caches_written_before_the_added_fields_stay_valid(tmp_path):
     assert sft.cache_key(cfg.model, cfg.sft, demos, 0) == sft.cache_key(old, cfg.sft, demos, 0)
     cfg.model.qkv_bias = True  # a model that differs is another cache entry
     assert sft.cache_key(cfg.model, cfg.sft, demos, 0) != sft.cache_key(old, cfg.sft, demos, 0)
+
+
+def test_the_warm_start_seed_is_the_runs_unless_sft_seed_names_one(tmp_path):
+    """sft.seed = -1 (default): the run's seed; >= 0: that seed, so RL seeds share one warm start.
+    The cache key holds the seed used, not the field: caches written before it stay valid."""
+    import types
+
+    import numpy as np
+
+    from rlcode.train import sft
+
+    cfg = tiny_job.tiny_config(tmp_path)
+    cfg.seed = 3
+    assert cfg.sft.seed == -1 and sft.warm_start_seed(cfg) == 3
+    cfg.sft.seed = 0
+    assert sft.warm_start_seed(cfg) == 0
+    demos = types.SimpleNamespace(arrays=lambda: [np.arange(6)])
+    old = cfg.sft.to_dict()
+    old.pop("seed")  # a config written before the field
+    assert sft.cache_key(cfg.model, cfg.sft, demos, 0) == sft.cache_key(cfg.model, old, demos, 0)
+    assert sft.cache_key(cfg.model, cfg.sft, demos, 0) != sft.cache_key(cfg.model, cfg.sft, demos, 3)
+    changed = json.loads(json.dumps(cfg.to_dict()))
+    legacy = json.loads(json.dumps(changed))
+    legacy["sft"].pop("seed")
+    changed["sft"]["seed"] = -1
+    assert workdir.config_changes(legacy, changed) == {}  # resuming an older run with the default
+    changed["sft"]["seed"] = 0
+    assert workdir.config_changes(legacy, changed) == {"sft.seed": ("(absent)", 0)}
