@@ -28,7 +28,8 @@ bounds the time spent in RL steps (evaluations excluded). The argument after ':'
                   tokens (the expert generates 0.44 times as many BPE tokens as bytes).
 
 Any field can then be overridden: `--config.rollout.group_size=4`, `--config.train.max_minutes=60`,
-`--config.seed=1 --config.workdir=runs/agent_repo/seed1`, `--config.resume=True`.
+`--config.seed=1 --config.workdir=runs/agent_repo/seed1`, `--config.resume=True`;
+`--config.seed=1 --config.sft.seed=0` runs RL seed 1 from seed 0's (cached) warm start.
 
 `resume=True` continues the run in `workdir` and refuses a config that differs from its saved
 config.json, naming each changed field, except train.steps, train.max_minutes, sandbox.workers,

@@ -4,11 +4,13 @@
     python -m experiments.evaluate --hf path/to/checkpoint --tasks humaneval --prompt chat --samples 10 --k 1,5,10
 
 The policy is a run's checkpoint (``--run``: its config.json, tokenizer and latest checkpoint, or
-``--step``) or a Hugging Face checkpoint directory (``--hf``, `rlcode.models.hf.load_checkpoint`
+``--step``, or ``--warm_start``: the SFT warm start the run began RL from) or a Hugging Face checkpoint directory (``--hf``, `rlcode.models.hf.load_checkpoint`
 with its tokenizer files). The tasks come from any completion source
 (`rlcode.envs.tasks.protocol`): ``synth`` (the held-out behaviours of the synthesis suite, at the
 run's task levels) or ``humaneval`` (``--split``, default test); or, for an agent run, ``repo``
-(the run's held-out task families) or ``mined`` (the test split of ``--mined_dir``), played as
+(the run's held-out task families), ``repo_fresh`` (new seeds of its train families, the run's
+``eval_fresh`` tasks; ``--limit N`` evaluates the first N, more than the run evaluated allowed) or
+``mined`` (the test split of ``--mined_dir``), played as
 episodes by the agent job's own evaluation (pass@1 = success and pass@n; per level pass@1); a
 Hugging Face checkpoint plays them with the settings of ``--agent_config``, its own tokenizer and
 the built-in chat template. Every task gets ``--samples`` completions at ``--temperature``; each
@@ -46,7 +48,7 @@ import numpy as np
 
 from experiments.cli import summary
 
-SOURCES = ("synth", "humaneval", "repo", "mined")
+SOURCES = ("synth", "humaneval", "repo", "repo_fresh", "mined")
 COMPLETION = ("synth", "humaneval")  # the synthesis job's policies; repo and mined: the agent job's
 PROMPT_STYLES = ("completion", "chat")
 NUM_TRANSCRIPTS = 4
@@ -82,6 +84,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     origin.add_argument("--run", help="a run directory of the synthesis or agent job (config.json + checkpoints/)")
     origin.add_argument("--hf", help="a Hugging Face checkpoint directory (config.json, safetensors, tokenizer)")
     p.add_argument("--step", type=int, default=None, help="the run's checkpoint step (default: the latest)")
+    p.add_argument("--warm_start", action="store_true",
+                   help="evaluate the SFT warm start the run began RL from (its summary.json's sft.path)")
     p.add_argument("--tasks", choices=SOURCES, default="synth", help="the task source")
     p.add_argument("--split", default=None, help="humaneval: all, train or test (default test)")
     p.add_argument("--mined_dir", default=os.path.join(".cache", "mined"),
@@ -117,8 +121,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--temperature must be > 0 and --top_p in (0, 1]")
     if args.batch < 1 or args.workers < 1 or args.timeout <= 0:
         p.error("--batch and --workers must be >= 1 and --timeout > 0")
-    if args.step is not None and not args.run:
-        p.error("--step applies to --run only")
+    if (args.step is not None or args.warm_start) and not args.run:
+        p.error("--step and --warm_start apply to --run only")
+    if args.step is not None and args.warm_start:
+        p.error("--step and --warm_start name different policies; give one")
     if args.tasks not in COMPLETION and args.prompt == "chat":
         p.error(f"--tasks {args.tasks} plays agent episodes in the built-in chat format; --prompt does not apply")
     if args.agent_config is not None and not (args.hf and args.tasks not in COMPLETION):
@@ -150,13 +156,13 @@ class Policy:
     config: Any = None  # the run's config (a run), None for a Hugging Face directory
 
 
-def load_run(path: str, step: int | None, job: str = "synth") -> Policy:
+def load_run(path: str, step: int | None, job: str = "synth", warm_start: bool = False) -> Policy:
     """The policy of a run of `job` ("synth" or "agent"): its model section, tokenizer and
-    checkpoint `step`."""
+    checkpoint `step` (or, `warm_start`, the SFT warm start it began RL from)."""
     from flax import nnx
 
     from rlcode.tokenizer import job_tokenizer
-    from rlcode.train.workdir import load_run_model
+    from rlcode.train.workdir import load_run_model, load_run_warm_start
 
     config_path = os.path.join(path, "config.json")
     if not os.path.exists(config_path):
@@ -166,16 +172,21 @@ def load_run(path: str, step: int | None, job: str = "synth") -> Policy:
     if kind != job:
         raise SystemExit(f"--run {path}: a {kind!r} run; these tasks need a {job!r} run")
     try:
-        cfg, model, step = load_run_model(path, step)
+        if warm_start:
+            cfg, model, sft_path = load_run_warm_start(path)
+            origin = {"run": os.path.abspath(path), "step": 0, "warm_start": sft_path}
+        else:
+            cfg, model, step = load_run_model(path, step)
+            origin = {"run": os.path.abspath(path), "step": int(step)}
     except ValueError as e:
         raise SystemExit(f"--run {e}") from None
     graphdef, state = nnx.split(model)
     tokenizer = job_tokenizer(cfg.get("tokenizer", "byte"), cfg.model.get("init_from", ""))
     if job == "agent":
-        return Policy(graphdef, state, tokenizer, {"run": os.path.abspath(path), "step": int(step)},
+        return Policy(graphdef, state, tokenizer, origin,
                       int(cfg.agent.max_response_tokens), int(cfg.agent.max_context_tokens), tuple(cfg.task.levels),
                       int(cfg.seed), cfg)
-    return Policy(graphdef, state, tokenizer, {"run": os.path.abspath(path), "step": int(step)},
+    return Policy(graphdef, state, tokenizer, origin,
                   int(cfg.sampling.max_new_tokens), int(cfg.task.max_prompt_len), tuple(cfg.task.levels), int(cfg.seed),
                   cfg)
 
@@ -373,6 +384,9 @@ def evaluate_agent(args: argparse.Namespace, policy: Policy, pool: Any, log=prin
     cfg = policy.config
     if args.tasks == "mined":
         tasks = mined.load_prepared(args.mined_dir, splits=("test",))["test"]
+    elif args.tasks == "repo_fresh":  # the run's eval_fresh tasks, and more of them with --limit
+        cfg.task.num_fresh = args.limit if args.limit is not None else cfg.task.num_fresh
+        tasks = agent.build_tasks(cfg, sets=("eval_fresh",))["eval_fresh"]
     else:
         tasks = agent.build_tasks(cfg, sets=("eval",))["eval"]
     tasks = tasks[: args.limit] if args.limit is not None else tasks
@@ -400,7 +414,7 @@ def evaluate_agent(args: argparse.Namespace, policy: Policy, pool: Any, log=prin
         count = sum(t.difficulty == level for t in tasks)
         by_level[str(level)] = {"tasks": count, "pass@1": float(m[f"eval/success_L{level}"])}  # pass@1 only
     return {
-        "source": args.tasks, "split": "test" if args.tasks == "mined" else "eval", "policy": policy.origin,
+        "source": args.tasks, "split": {"mined": "test", "repo_fresh": "eval_fresh"}.get(args.tasks, "eval"), "policy": policy.origin,
         "prompt": "agent", "settings": {"samples": n, "k": ks, "temperature": args.temperature, "top_p": 1.0,
                                         "max_new_tokens": policy.max_new_tokens, "max_prompt_len": policy.max_prompt_len,
                                         "seed": args.seed, "timeout": args.timeout},
@@ -459,9 +473,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     pool = SandboxPool(args.workers, Limits(wall_seconds=args.timeout + 5.0))
     try:
         if args.tasks in COMPLETION:
-            policy = load_run(args.run, args.step) if args.run else load_hf(args.hf)
+            policy = load_run(args.run, args.step, warm_start=args.warm_start) if args.run else load_hf(args.hf)
         elif args.run:
-            policy = load_run(args.run, args.step, job="agent")
+            policy = load_run(args.run, args.step, job="agent", warm_start=args.warm_start)
         else:
             policy = load_hf_agent(args.hf, args.agent_config)
         policy, mesh = on_mesh(policy, args.mesh)

@@ -176,18 +176,15 @@ def load_or_train(model_cfg: Any, sft_cfg: Any, demos: Any, seed: int,
     path = os.path.join(sft_cfg.cache_dir, key)
     t0 = time.perf_counter()
     if os.path.isdir(path):
-        ckpt = Checkpointer(path, keep=1, async_save=False)
         try:
-            if ckpt.latest_step() is not None:
-                template = _template(model_cfg, seed)
-                params, extra = ckpt.restore(target=template)
+            cached = restore_cached(path, model_cfg)
+            if cached is not None:
+                params, extra = cached
                 log(f"SFT: reusing the cached warm start {path} (trained {extra['seconds']:.0f} s)")
                 return params, {"key": key, "path": path, "cached": True, "history": extra["history"],
                                 "seconds": time.perf_counter() - t0}
         except CheckpointError as e:
             log(f"SFT: cache entry {path} is unreadable ({e}); training again")
-        finally:
-            ckpt.close()
     params, history = train(model_cfg, sft_cfg, demos, seed, on_step)
     seconds = time.perf_counter() - t0
     ckpt = Checkpointer(path, keep=1, async_save=False)
@@ -196,6 +193,18 @@ def load_or_train(model_cfg: Any, sft_cfg: Any, demos: Any, seed: int,
     finally:
         ckpt.close()
     return params, {"key": key, "path": path, "cached": False, "history": history, "seconds": seconds}
+
+
+def restore_cached(path: str, model_cfg: Any) -> tuple[Any, dict] | None:
+    """(pure-dict params, extra) of the warm start cached in directory `path` for a model of
+    `model_cfg` (no value head); None when it holds no checkpoint; CheckpointError if unreadable."""
+    ckpt = Checkpointer(path, keep=1, async_save=False)
+    try:
+        if ckpt.latest_step() is None:
+            return None
+        return ckpt.restore(target=_template(model_cfg, 0))
+    finally:
+        ckpt.close()
 
 
 def _template(model_cfg: Any, seed: int) -> Any:

@@ -186,6 +186,37 @@ def load_run_model(path: str, step: int | None = None) -> tuple[Any, Any, int]:
     return cfg, nnx.merge(graphdef, state), int(step)
 
 
+def load_run_warm_start(path: str) -> tuple[Any, Any, str]:
+    """(config, model with the SFT warm start the run in directory `path` began RL from, the
+    cache directory it came from): the ``sft.path`` of its summary.json. ValueError naming what
+    is missing."""
+    import ml_collections  # noqa: PLC0415
+    from flax import nnx  # noqa: PLC0415
+
+    from rlcode.models.hf import initial_model, resolve_model_section  # noqa: PLC0415
+    from rlcode.train import sft as sft_lib  # noqa: PLC0415
+
+    config_path, summary_path = os.path.join(path, "config.json"), os.path.join(path, "summary.json")
+    if not os.path.exists(config_path):
+        raise ValueError(f"{path}: no config.json (not a run directory)")
+    if not os.path.exists(summary_path):
+        raise ValueError(f"{path}: no summary.json (it is written when the run ends or is stopped), so no warm start")
+    with open(summary_path) as f:
+        sft_path = (json.load(f).get("sft") or {}).get("path")
+    if not sft_path:
+        raise ValueError(f"{path}: its summary.json names no SFT warm start (sft.steps = 0?)")
+    with open(config_path) as f:
+        cfg = ml_collections.ConfigDict(json.load(f))
+    cfg.model = resolve_model_section(cfg.model)
+    cached = sft_lib.restore_cached(sft_path, cfg.model) if os.path.isdir(sft_path) else None
+    if cached is None:
+        raise ValueError(f"{path}: its warm start {sft_path} is not there (the SFT cache was moved or cleared)")
+    model = initial_model(cfg.model, cfg.seed)
+    graphdef, state = nnx.split(model)
+    nnx.replace_by_pure_dict(state, sft_lib.merge_params(nnx.to_pure_dict(state), cached[0]))
+    return cfg, nnx.merge(graphdef, state), sft_path
+
+
 def _exported_step(params_dir: str) -> int | None:
     """The step of the final parameters in `params_dir` (None when there are none)."""
     from rlcode.train.checkpoint import params_extra  # noqa: PLC0415

@@ -96,7 +96,9 @@ def test_pass_at_k_and_difficulty_tables_equal_the_oracle(sandbox_pool, monkeypa
     (["--tasks", "synth"], "one of the arguments --run --hf is required"),
     (["--run", "x", "--samples", "2", "--k", "1,4"], "exceeds --samples"),
     (["--run", "x", "--prompt", "chat"], "--prompt chat"),
-    (["--hf", "x", "--step", "3"], "--step applies to --run"),
+    (["--hf", "x", "--step", "3"], "--step and --warm_start apply to --run only"),
+    (["--hf", "x", "--warm_start"], "--step and --warm_start apply to --run only"),
+    (["--run", "x", "--step", "3", "--warm_start"], "name different policies"),
     (["--run", "x", "--publish", "../x"], "--publish NAME"),
     (["--hf", "x", "--tasks", "mined", "--prompt", "chat"], "--prompt does not apply"),
     (["--run", "x", "--tasks", "mined", "--agent_config", "c.py"], "--agent_config applies to --hf"),
@@ -139,6 +141,36 @@ def test_the_run_policy_holds_the_checkpoints_parameters(run_dir, tmp_path):
     shutil.rmtree(copy / "params")
     again = jax.tree.leaves(nnx.to_pure_dict(evaluate.load_run(str(copy), None).params))
     assert all(np.array_equal(a, b) for a, b in zip(again, ours))
+
+
+def test_the_warm_start_policy_is_the_sft_cache_the_run_began_from(run_dir, tmp_path):
+    import jax
+    from flax import nnx
+
+    from rlcode.train import sft as sft_lib
+
+    summary = json.load(open(run_dir / "summary.json"))
+    policy = evaluate.load_run(str(run_dir), None, warm_start=True)
+    assert policy.origin == {"run": str(run_dir), "step": 0, "warm_start": summary["sft"]["path"]}
+    cached, _ = sft_lib.restore_cached(summary["sft"]["path"], policy_config(run_dir))
+    ours = nnx.to_pure_dict(policy.params)
+    cached_leaves = jax.tree.leaves(cached)
+    assert len(cached_leaves) == len(jax.tree.leaves(ours))
+    assert all(np.array_equal(a, b) for a, b in zip(cached_leaves, jax.tree.leaves(ours)))
+    from rlcode.models.transformer import init_model
+
+    init = jax.tree.leaves(nnx.to_pure_dict(nnx.split(init_model(policy_config(run_dir), 0))[1]))
+    assert any(not np.array_equal(a, b) for a, b in zip(init, jax.tree.leaves(ours)))  # SFT's, not a fresh model
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    moved = json.load(open(copy / "summary.json"))
+    moved["sft"]["path"] = str(tmp_path / "gone")
+    json.dump(moved, open(copy / "summary.json", "w"))
+    with pytest.raises(SystemExit, match="gone is not there"):
+        evaluate.load_run(str(copy), None, warm_start=True)
+    os.remove(copy / "summary.json")
+    with pytest.raises(SystemExit, match="no summary.json"):
+        evaluate.load_run(str(copy), None, warm_start=True)
 
 
 def policy_config(run_dir):

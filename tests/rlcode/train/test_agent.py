@@ -12,6 +12,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 from flax import nnx
@@ -35,6 +36,13 @@ from rlcode.train import episodes as episodes_lib
 from rlcode.train.step import make_logprob_fn
 
 TOK = ByteTokenizer()
+
+
+def dict_config(cfg, **task):
+    """A copy of `cfg` with `task` fields changed."""
+    out = ml_collections.ConfigDict(cfg.to_dict())
+    out.task.update(task)
+    return out
 
 
 def tiny(kind):
@@ -319,6 +327,18 @@ def test_agent_job_end_to_end_and_report(tmp_path):
         assert data["summary"][0][tag]["end"] == result.last_eval[tag]
     for tag in ("rollout/read_ok", "rollout/edit_ok", "rollout/tool_errors"):
         assert data["curves"][tag] == [[1, m[tag]]]
+
+    # The run's fresh tasks, and more of them, evaluated for its warm start and its final policy.
+    from experiments import evaluate
+
+    fresh = [t.task_id for t in agent.build_tasks(dict_config(cfg, num_fresh=2), sets=("eval_fresh",))["eval_fresh"]]
+    for extra in ([], ["--warm_start"]):
+        ev = tmp_path / f"evaluate{len(extra)}"
+        assert evaluate.main(["--run", cfg.workdir, "--tasks", "repo_fresh", "--limit", "2", "--samples", "1",
+                              "--k", "1", "--batch", "2", "--temperature", "1.0", "--out", str(ev), *extra]) == 0
+        report = json.load(open(ev / "evaluate.json"))
+        assert [r["task_id"] for r in report["per_task"]] == fresh and report["split"] == "eval_fresh"
+        assert report["policy"]["step"] == (0 if extra else 1)
 
 
 @pytest.mark.slow
