@@ -69,13 +69,24 @@ def curves(run_dir: str) -> dict[str, list[list[float]]]:
     return out
 
 
-def run_summary(run_dir: str, c: dict, mean_steps: int | None = None) -> dict:
+def parse_steps(text: str | None) -> tuple[int, int] | None:
+    """--mean_steps: "N" (steps 1..N) or "A-B" (steps A..B) -> (first, last); None: every step."""
+    if text is None:
+        return None
+    first, _, last = text.rpartition("-") if "-" in text else ("1", "", text)
+    if not (first.isdigit() and last.isdigit()) or not 1 <= int(first) <= int(last):
+        raise argparse.ArgumentTypeError(f"--mean_steps takes N or A-B with 1 <= A <= B, got {text!r}")
+    return int(first), int(last)
+
+
+def run_summary(run_dir: str, c: dict, mean_steps: tuple[int, int] | None = None) -> dict:
     """Start, end, change and best of the evaluations; per-step means of the prefill counts and
-    times over every step, or over steps 1..`mean_steps` (two runs compared on the same steps)."""
+    times over every step, or over the steps first..last of `mean_steps` (two runs compared on
+    the same steps)."""
     summary = json.load(open(os.path.join(run_dir, "summary.json")))
     out = {"run": run_dir, "completed": summary["completed"], "steps": summary["steps_done"],
            "minutes_total": summary["seconds"] / 60}
-    per_step = {tag: [v for step, v in c.get(tag, []) if mean_steps is None or step <= mean_steps]
+    per_step = {tag: [v for step, v in c.get(tag, []) if mean_steps is None or mean_steps[0] <= step <= mean_steps[1]]
                 for tag in CURVE_TAGS}
     out["mean_over_steps"] = len(per_step["time/sample_s"])
     for tag in ("eval_fresh/success", "eval/success", *(f"eval_fresh/{t}" for t in TOOL_TAGS)):
@@ -183,9 +194,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "(to check the token counts quickly)")
     p.add_argument("--max_turn_sets", type=int, default=None, help="replay only the first N recorded steps")
     p.add_argument("--no_replay", action="store_true")
-    p.add_argument("--mean_steps", type=int, default=None, help="per-step means (prefill tokens, sampling and "
-                   "step seconds) over steps 1..N of every run, e.g. to compare a run with "
-                   "--config.agent.prefill=incremental against the same seed's run on the steps both made")
+    p.add_argument("--mean_steps", type=parse_steps, default=None, help="N or A-B: per-step means (prefill "
+                   "tokens, sampling and step seconds) over steps 1..N or A..B of every run, e.g. to compare a "
+                   "run with --config.agent.prefill=incremental against the same seed's run on the steps both "
+                   "made (after the first steps' compilations)")
     p.add_argument("--expert", default="", help="P,G: also replay batches of the scripted expert on P train "
                    "tasks x G episodes each (episodes that read the right files)")
     a = p.parse_args(argv)

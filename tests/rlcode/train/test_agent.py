@@ -5,6 +5,7 @@ the tokens it sampled (prefilled turn by turn, with documents copied from their 
 attention) must equal those the train step recomputes from the finished episode's sequence with
 its segment layout."""
 
+import argparse
 import json
 import math
 import os
@@ -513,8 +514,14 @@ def test_agent_report_means_over_the_steps_two_runs_share(tmp_path):
     with open(run / "tb" / "metrics.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     c = agent_report.curves(str(run))
-    every, first = agent_report.run_summary(str(run), c), agent_report.run_summary(str(run), c, mean_steps=2)
+    every, first = agent_report.run_summary(str(run), c), agent_report.run_summary(str(run), c, mean_steps=(1, 2))
     assert (every["mean_over_steps"], first["mean_over_steps"]) == (4, 2)
+    later = agent_report.run_summary(str(run), c, mean_steps=agent_report.parse_steps("3-4"))
+    assert later["mean_time_sample_s"] == 35.0 and later["mean_over_steps"] == 2
+    assert agent_report.parse_steps("2") == (1, 2) and agent_report.parse_steps(None) is None
+    for bad in ("0", "4-3", "x", "1-", "-2"):
+        with pytest.raises(argparse.ArgumentTypeError, match="--mean_steps"):
+            agent_report.parse_steps(bad)
     assert every["mean_time_sample_s"] == 25.0 and first["mean_time_sample_s"] == 15.0
     assert first["mean_decode_seconds"] == 1.5 and first["prefill_tokens_per_step_documents"] == 150.0
     assert first["eval_fresh/success"] == every["eval_fresh/success"] == {"start": 0.25, "end": 0.5, "change": 0.25,
