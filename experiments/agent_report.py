@@ -49,6 +49,10 @@ from rlcode.train.agent import build_tasks
 from rlcode.train.episodes import episode_kwargs
 from rlcode.train.metrics import read_json_lines, read_jsonl
 
+# The published reports (experiments.figures draws each): the byte-level policy's run, and the
+# runs from the pretrained code base.
+REPORT_NAMES = ("agent_repo", "agent_repo_code")
+
 # The tool outcomes (read_ok, edit_ok: share of episodes with a read / edit that succeeded;
 # tool_errors per episode) show whether a policy names real files long before any success.
 TOOL_TAGS = ("read_ok", "edit_ok", "tool_errors")
@@ -188,7 +192,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--config", default=None, help="instead of --runs: an agent config file whose scripted expert "
                    "is replayed (--expert), with no run")
     p.add_argument("--out", default=None, help="JSON path (default runs/agent_repo/agent_repo.json)")
-    p.add_argument("--publish", action="store_true", help=PUBLISH_HELP.replace("<name>", "agent_repo"))
+    p.add_argument("--publish", action="store_true", help=PUBLISH_HELP.replace("<name>", "<--name>"))
+    p.add_argument("--name", default="agent_repo", choices=REPORT_NAMES,
+                   help="the report's name: runs/<name>/<name>.json, or results/<name>.json with --publish "
+                        "(agent_repo: the byte-level policy's runs; agent_repo_code: the pretrained base's)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--no_warmup", action="store_true", help="no untimed pass first: the times include compilation "
                    "(to check the token counts quickly)")
@@ -206,7 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("give --runs or --config")
     if a.config and not a.expert:
         p.error("--config replays the scripted expert only: add --expert P,G")
-    out, _ = output_paths("agent_repo", False, a.out, None, a.publish)  # the figure: experiments.figures
+    out, _ = output_paths(a.name, False, a.out, None, a.publish)  # the figure: experiments.figures
     data = {"command": "python -m experiments.agent_report " + " ".join(argv if argv is not None else sys.argv[1:])}
     if runs:
         per_run = [curves(r) for r in runs]

@@ -90,6 +90,14 @@ MOE_PRECISION = ("python -m experiments.moe_precision --publish",
                  "--out=results/moe_precision_seed2.json")
 # results/agent_repo.json: the byte-level policy (then the default, now base=bytes).
 TRAIN_AGENT = "python -m experiments.train --config=configs/agent_repo.py:base=bytes --config.workdir=runs/agent_repo/seed0"
+# results/agent_repo_code.json: the default agent job (the pretrained base), RL seeds 0 and 1 from seed
+# 0's warm start, 45 minutes of RL each.
+TRAIN_AGENT_CODE = tuple(
+    f"python -m experiments.train --config=configs/agent_repo.py --config.seed={s} --config.sft.seed=0 "
+    f"--config.workdir=runs/agent_repo_code/seed{s} --config.train.max_minutes=45 --config.eval.num_samples=8 "
+    f"--config.eval.every={e}" for s, e in ((0, 20), (1, 25))) + (
+    "python -m experiments.agent_report --runs runs/agent_repo_code/seed0,runs/agent_repo_code/seed1 --no_replay "
+    "--name agent_repo_code --publish",)
 PRETRAIN = ("python -m experiments.prepare_corpus && "
             "python -m experiments.pretrain --config=configs/pretrain_code.py --publish")
 PLOT_PRETRAIN = _plot_training_command(
@@ -128,6 +136,7 @@ PRODUCERS = {
     "results/usage_rl.json": "python -m experiments.usage_rl --publish",
     "results/agent_repo.json": f"{TRAIN_AGENT}, then summarise the run into it "
                                "(schema: experiments.figures.draw_agent_repo)",
+    "results/agent_repo_code.json": " && ".join(TRAIN_AGENT_CODE),
 }
 
 # ------------------------------------------------------------------------------ the producing scripts
@@ -369,8 +378,8 @@ def _curve(record: dict, tag: str) -> tuple[list[float], list[float]]:
     return [p[0] for p in pts], _values([p[1] for p in pts])
 
 
-def draw_agent_repo(record: dict, out: str) -> str:
-    """Agent RL on repository tasks, from results/agent_repo.json:
+def draw_agent_repo(record: dict, out: str, source: str = "results/agent_repo.json") -> str:
+    """Agent RL on repository tasks, from `source` (results/agent_repo.json or agent_repo_code.json):
 
         {"command": str, "runs": [run dir, ...],
          "curves": {tag: [[step, value], ...]} for eval_fresh/success, eval/success, rollout/success,
@@ -425,7 +434,7 @@ def draw_agent_repo(record: dict, out: str) -> str:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize="small")
         else:
-            ax.text(0.5, 0.5, "no data in results/agent_repo.json", ha="center", transform=ax.transAxes)
+            ax.text(0.5, 0.5, f"no data in {source}", ha="center", transform=ax.transAxes)
     if replay:
         ax = axes[2]
         modes = [m for m in AGENT_SAMPLERS if m in replay]
@@ -442,12 +451,12 @@ def draw_agent_repo(record: dict, out: str) -> str:
         ax.grid(True, axis="y", alpha=0.3)
     runs = record.get("runs") or []
     fig.suptitle(f"Agent RL on repository tasks ({len(runs)} run{'s' if len(runs) != 1 else ''})")
-    _footer(fig, f"results/agent_repo.json: {record.get('command', TRAIN_AGENT)}")
+    _footer(fig, f"{source}: {record.get('command', TRAIN_AGENT)}")
     return _save(fig, out)
 
 
-def agent_repo_notes(data: dict) -> str:
-    record = data["results/agent_repo.json"]
+def agent_repo_notes(data: dict, source: str = "results/agent_repo.json") -> str:
+    record = data[source]
     summary = record.get("summary") or {}
     if isinstance(summary, list):  # one entry per run (experiments.agent_report)
         summary = summary[0] if summary else {}
@@ -752,6 +761,13 @@ FIGURES: dict[str, FigureSpec] = {f.name: f for f in (
         "rollouts as a trailing mean) and prefill tokens per step by sampler (full context / incremental KV cache / "
         "document reuse).",
         (TRAIN_AGENT,), notes=agent_repo_notes),
+    FigureSpec(
+        "agent_repo_code", ("results/agent_repo_code.json",),
+        lambda d, out: draw_agent_repo(d["results/agent_repo_code.json"], out, "results/agent_repo_code.json"),
+        "Agent RL from the pretrained code base (SFT on 2,000 expert demonstrations, then GRPO on the train tasks "
+        "that were not demonstrations): success through training (eval_fresh/ and eval/ at each evaluation, "
+        "rollouts as a trailing mean) and prefill tokens per step by sampler, for the first run listed.",
+        TRAIN_AGENT_CODE, notes=lambda d: agent_repo_notes(d, "results/agent_repo_code.json")),
 )}
 
 

@@ -499,7 +499,7 @@ def test_episode_metrics_count_the_tool_calls_that_succeeded(tmp_path):
     assert m["eval/tool_errors"] == pytest.approx(2 / 3)
 
 
-def test_agent_report_means_over_the_steps_two_runs_share(tmp_path):
+def test_agent_report_means_over_the_steps_two_runs_share(tmp_path, monkeypatch):
     """--mean_steps: per-step means over steps 1..N only (a shorter run of the same seed compared
     on the steps both made); the evaluations' start and end stay the run's own."""
     from experiments import agent_report
@@ -507,6 +507,7 @@ def test_agent_report_means_over_the_steps_two_runs_share(tmp_path):
     run = tmp_path / "run"
     (run / "tb").mkdir(parents=True)
     json.dump({"completed": True, "steps_done": 4, "seconds": 600.0}, open(run / "summary.json", "w"))
+    json.dump({"job": "agent", "task": {"num_fresh": 1}}, open(run / "config.json", "w"))
     rows = [{"step": 0, "eval_fresh/success": 0.25}]
     rows += [{"step": s, "time/sample_s": 10.0 * s, "decode/seconds": float(s), "prefill/tokens_documents": 100.0 * s}
              for s in (1, 2, 3, 4)]
@@ -522,6 +523,11 @@ def test_agent_report_means_over_the_steps_two_runs_share(tmp_path):
     for bad in ("0", "4-3", "x", "1-", "-2"):
         with pytest.raises(argparse.ArgumentTypeError, match="--mean_steps"):
             agent_report.parse_steps(bad)
+    # --name: the report of the pretrained base's runs goes to its own run directory (results/ with --publish).
+    monkeypatch.chdir(tmp_path)
+    assert agent_report.main(["--runs", str(run), "--no_replay", "--name", "agent_repo_code", "--mean_steps", "2"]) == 0
+    report = json.load(open(tmp_path / "runs" / "agent_repo_code" / "agent_repo_code.json"))
+    assert report["summary"][0]["mean_time_sample_s"] == 15.0 and not (tmp_path / "results").exists()
     assert every["mean_time_sample_s"] == 25.0 and first["mean_time_sample_s"] == 15.0
     assert first["mean_decode_seconds"] == 1.5 and first["prefill_tokens_per_step_documents"] == 150.0
     assert first["eval_fresh/success"] == every["eval_fresh/success"] == {"start": 0.25, "end": 0.5, "change": 0.25,
