@@ -103,7 +103,7 @@ def run_summary(run_dir: str, c: dict, mean_steps: tuple[int, int] | None = None
         vals = per_step[f"prefill/tokens_{mode}"]
         if vals:
             out[f"prefill_tokens_per_step_{mode}"] = float(np.mean(vals))
-    for tag in ("time/step_s", "time/sample_s", "prefill/seconds", "decode/seconds"):
+    for tag in ("rollout/success", "time/step_s", "time/sample_s", "prefill/seconds", "decode/seconds"):
         vals = per_step[tag]
         if vals:
             out[f"mean_{tag.replace('/', '_')}"] = float(np.mean(vals))

@@ -509,8 +509,8 @@ def test_agent_report_means_over_the_steps_two_runs_share(tmp_path, monkeypatch)
     json.dump({"completed": True, "steps_done": 4, "seconds": 600.0}, open(run / "summary.json", "w"))
     json.dump({"job": "agent", "task": {"num_fresh": 1}}, open(run / "config.json", "w"))
     rows = [{"step": 0, "eval_fresh/success": 0.25}]
-    rows += [{"step": s, "time/sample_s": 10.0 * s, "decode/seconds": float(s), "prefill/tokens_documents": 100.0 * s}
-             for s in (1, 2, 3, 4)]
+    rows += [{"step": s, "time/sample_s": 10.0 * s, "decode/seconds": float(s), "prefill/tokens_documents": 100.0 * s,
+              "rollout/success": s / 8} for s in (1, 2, 3, 4)]
     rows += [{"step": 4, "eval_fresh/success": 0.5}]
     with open(run / "tb" / "metrics.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
@@ -530,5 +530,6 @@ def test_agent_report_means_over_the_steps_two_runs_share(tmp_path, monkeypatch)
     assert report["summary"][0]["mean_time_sample_s"] == 15.0 and not (tmp_path / "results").exists()
     assert every["mean_time_sample_s"] == 25.0 and first["mean_time_sample_s"] == 15.0
     assert first["mean_decode_seconds"] == 1.5 and first["prefill_tokens_per_step_documents"] == 150.0
+    assert first["mean_rollout_success"] == 0.1875 and every["mean_rollout_success"] == 0.3125
     assert first["eval_fresh/success"] == every["eval_fresh/success"] == {"start": 0.25, "end": 0.5, "change": 0.25,
                                                                           "best": 0.5}
