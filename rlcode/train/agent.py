@@ -121,8 +121,8 @@ def build_tasks(cfg: Any, sets: Sequence[str] = TASK_SETS,
 
 
 # Which train tasks RL draws its prompts from: "all", or "undemonstrated" (those after the first
-# task.num_demos, which the SFT warm start never saw: its success on a demonstrated task can come
-# from recalling the demonstration, so RL on those rewards recall rather than reading the task).
+# task.num_demos, which the SFT warm start never saw, so no reward can come from recalling a
+# demonstration instead of reading the task).
 RL_TASK_POOLS = ("all", "undemonstrated")
 
 
@@ -139,8 +139,11 @@ def rl_prompts(cfg: Any, num_train_tasks: int, count: int) -> np.ndarray:
     pool = np.arange(num_train_tasks)[rl_task_indices(cfg).start:]
     P = cfg.rollout.prompts_per_step
     if len(pool) < P:
-        raise ConfigError(f"task.rl_tasks={cfg.task.get('rl_tasks', 'all')!r}: {len(pool)} train tasks to draw "
-                          f"from, fewer than rollout.prompts_per_step={P}")
+        mode = cfg.task.get("rl_tasks", "all")
+        fix = (f"; the first task.num_demos={cfg.task.num_demos} are demonstrations: set task.rl_tasks=all or "
+               "fewer demonstrations" if mode == "undemonstrated" else "")
+        raise ConfigError(f"task.rl_tasks={mode!r}: {len(pool)} of the {num_train_tasks} train tasks to draw from, "
+                          f"fewer than rollout.prompts_per_step={P}{fix}")
     return pool[np.random.default_rng([cfg.seed, count]).choice(len(pool), P, replace=False)]
 
 
@@ -260,6 +263,7 @@ def setup(ctx: Context) -> tuple[Any, dict]:
     tasks = build_tasks(cfg)
     ctx.say(f"tasks: {len(tasks['train'])} train, {len(tasks['eval_fresh'])} fresh (held-out seeds of the train "
             f"families), {len(tasks['eval'])} eval (held-out families); levels {tuple(cfg.task.levels)}")
+    rl_prompts(cfg, len(tasks["train"]), 0)  # too few tasks to draw from fails before any demonstration
     demos = None
     if cfg.sft.steps > 0:
         demos = expert_demonstrations(tasks["train"][: cfg.task.num_demos], ctx.pool, ctx.tokenizer, cfg, log=ctx.say)
@@ -285,7 +289,6 @@ def plan(ctx: Context, tasks: dict) -> Plan:
         sampler = eval_sampler = session_sampler(max(P * G, cfg.eval.batch_rows))
     base_key = jax.random.key(cfg.seed)
     eval_key = jax.random.fold_in(base_key, 2)
-    rl_prompts(cfg, len(tasks["train"]), 0)  # too few tasks to draw from fails before any step
     episodes_path = os.path.join(ctx.workdir, "episodes.jsonl")
     repair_json_lines(episodes_path)  # a run killed mid-line left a torn record
     episodes_log = ctx.resources.enter_context(open(episodes_path, "a"))

@@ -94,6 +94,7 @@ def test_the_agent_job_trains_on_mined_tasks(mined_fixture, tmp_path):
 
     from rlcode.envs.tasks import mined
     from rlcode.models.transformer import model_config
+    from rlcode.checks import ConfigError
     from rlcode.train import agent
 
     fixture_project = tmp_path / "cache"
@@ -118,6 +119,9 @@ def test_the_agent_job_trains_on_mined_tasks(mined_fixture, tmp_path):
     cfg.rollout.update(prompts_per_step=1, group_size=2)
     cfg.eval.update(num_samples=1, batch_rows=1)
     cfg.sandbox.timeout = 30.0
+    with pytest.raises(ConfigError, match="0 of the 2 train tasks to draw from"):  # every mined task is a demonstration
+        agent.run(cfg, pool=LocalExecutor(), log=lambda m: None)
+    cfg.task.rl_tasks = "all"
     result = agent.run(cfg, pool=LocalExecutor(), log=lambda m: None)
     assert result.completed and result.steps_done == 1
     assert "eval/success" in result.first_eval and "eval/success" in result.last_eval

@@ -241,7 +241,8 @@ def test_rl_prompts_come_from_the_tasks_the_warm_start_never_saw():
     cfg.task.rl_tasks, cfg.sft.steps = "undemonstrated", 0  # no warm start: no task was demonstrated
     assert set(np.concatenate([agent.rl_prompts(cfg, 50, c) for c in range(60)])) == set(range(50))
     cfg.sft.steps = 10
-    with pytest.raises(ConfigError, match="3 train tasks to draw from, fewer than rollout.prompts_per_step=4"):
+    with pytest.raises(ConfigError, match="3 of the 43 train tasks to draw from, fewer than rollout.prompts_per_step=4"
+                                          "; the first task.num_demos=40 are demonstrations: set task.rl_tasks=all"):
         agent.rl_prompts(cfg, 43, 0)  # e.g. a mined train split shorter than task.num_train
 
 
