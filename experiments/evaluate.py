@@ -4,8 +4,8 @@
     python -m experiments.evaluate --hf path/to/checkpoint --tasks humaneval --prompt chat --samples 10 --k 1,5,10
 
 The policy is a run's checkpoint (``--run``: its config.json, tokenizer and latest checkpoint, or
-``--step``, or ``--warm_start``: the SFT warm start the run began RL from) or a Hugging Face checkpoint directory (``--hf``, `rlcode.models.hf.load_checkpoint`
-with its tokenizer files). The tasks come from any completion source
+``--step``, or ``--warm_start``: the SFT warm start the run began RL from) or a Hugging Face
+checkpoint directory (``--hf``, `rlcode.models.hf.load_checkpoint` with its tokenizer files). The tasks come from any completion source
 (`rlcode.envs.tasks.protocol`): ``synth`` (the held-out behaviours of the synthesis suite, at the
 run's task levels) or ``humaneval`` (``--split``, default test); or, for an agent run, ``repo``
 (the run's held-out task families), ``repo_fresh`` (new seeds of its train families, the run's
@@ -414,7 +414,8 @@ def evaluate_agent(args: argparse.Namespace, policy: Policy, pool: Any, log=prin
         count = sum(t.difficulty == level for t in tasks)
         by_level[str(level)] = {"tasks": count, "pass@1": float(m[f"eval/success_L{level}"])}  # pass@1 only
     return {
-        "source": args.tasks, "split": {"mined": "test", "repo_fresh": "eval_fresh"}.get(args.tasks, "eval"), "policy": policy.origin,
+        "source": args.tasks, "split": {"mined": "test", "repo_fresh": "eval_fresh"}.get(args.tasks, "eval"),
+        "policy": policy.origin,
         "prompt": "agent", "settings": {"samples": n, "k": ks, "temperature": args.temperature, "top_p": 1.0,
                                         "max_new_tokens": policy.max_new_tokens, "max_prompt_len": policy.max_prompt_len,
                                         "seed": args.seed, "timeout": args.timeout},

@@ -150,19 +150,11 @@ def load_run_model(path: str, step: int | None = None) -> tuple[Any, Any, int]:
     `path` (its config.json, and params/ or checkpoints/; `step` None: the latest). The final
     parameters in params/ are read when they are of the wanted step (no optimizer state to read),
     else the checkpoint. ValueError naming the directory when it is not a run or holds neither."""
-    import ml_collections  # noqa: PLC0415
     from flax import nnx  # noqa: PLC0415
 
-    from rlcode.models.hf import initial_model, resolve_model_section  # noqa: PLC0415
     from rlcode.train.checkpoint import Checkpointer, restore_params  # noqa: PLC0415
 
-    config_path = os.path.join(path, "config.json")
-    if not os.path.exists(config_path):
-        raise ValueError(f"{path}: no config.json (not a run directory)")
-    with open(config_path) as f:
-        cfg = ml_collections.ConfigDict(json.load(f))
-    cfg.model = resolve_model_section(cfg.model)
-    model = initial_model(cfg.model, cfg.seed)
+    cfg, model = _run_config_and_model(path)
     graphdef, state = nnx.split(model)
     params_dir, ckpt_dir = os.path.join(path, PARAMS_DIR), os.path.join(path, "checkpoints")
     exported = _exported_step(params_dir)
@@ -190,14 +182,12 @@ def load_run_warm_start(path: str) -> tuple[Any, Any, str]:
     """(config, model with the SFT warm start the run in directory `path` began RL from, the
     cache directory it came from): the ``sft.path`` of its summary.json. ValueError naming what
     is missing."""
-    import ml_collections  # noqa: PLC0415
     from flax import nnx  # noqa: PLC0415
 
-    from rlcode.models.hf import initial_model, resolve_model_section  # noqa: PLC0415
     from rlcode.train import sft as sft_lib  # noqa: PLC0415
 
-    config_path, summary_path = os.path.join(path, "config.json"), os.path.join(path, "summary.json")
-    if not os.path.exists(config_path):
+    summary_path = os.path.join(path, "summary.json")
+    if not os.path.exists(os.path.join(path, "config.json")):
         raise ValueError(f"{path}: no config.json (not a run directory)")
     if not os.path.exists(summary_path):
         raise ValueError(f"{path}: no summary.json (it is written when the run ends or is stopped), so no warm start")
@@ -205,16 +195,28 @@ def load_run_warm_start(path: str) -> tuple[Any, Any, str]:
         sft_path = (json.load(f).get("sft") or {}).get("path")
     if not sft_path:
         raise ValueError(f"{path}: its summary.json names no SFT warm start (sft.steps = 0?)")
-    with open(config_path) as f:
-        cfg = ml_collections.ConfigDict(json.load(f))
-    cfg.model = resolve_model_section(cfg.model)
+    cfg, model = _run_config_and_model(path)
     cached = sft_lib.restore_cached(sft_path, cfg.model) if os.path.isdir(sft_path) else None
     if cached is None:
         raise ValueError(f"{path}: its warm start {sft_path} is not there (the SFT cache was moved or cleared)")
-    model = initial_model(cfg.model, cfg.seed)
     graphdef, state = nnx.split(model)
     nnx.replace_by_pure_dict(state, sft_lib.merge_params(nnx.to_pure_dict(state), cached[0]))
     return cfg, nnx.merge(graphdef, state), sft_path
+
+
+def _run_config_and_model(path: str) -> tuple[Any, Any]:
+    """(config with its model section resolved, a fresh model of it) of the run in `path`."""
+    import ml_collections  # noqa: PLC0415
+
+    from rlcode.models.hf import initial_model, resolve_model_section  # noqa: PLC0415
+
+    config_path = os.path.join(path, "config.json")
+    if not os.path.exists(config_path):
+        raise ValueError(f"{path}: no config.json (not a run directory)")
+    with open(config_path) as f:
+        cfg = ml_collections.ConfigDict(json.load(f))
+    cfg.model = resolve_model_section(cfg.model)
+    return cfg, initial_model(cfg.model, cfg.seed)
 
 
 def _exported_step(params_dir: str) -> int | None:
