@@ -420,10 +420,36 @@ def evaluate_agent(args: argparse.Namespace, policy: Policy, pool: Any, log=prin
                                         "max_new_tokens": policy.max_new_tokens, "max_prompt_len": policy.max_prompt_len,
                                         "seed": args.seed, "timeout": args.timeout},
         "tasks": {"evaluated": len(tasks), "left_out_too_long": 0}, "overall": overall, "by_difficulty": by_level,
+        "by_family": by_family(tasks, episodes, n),
         "grading": {k.split("/", 1)[1]: v for k, v in m.items() if any(w in k for w in ("infra", "timeout", "hack"))},
         "episode_metrics": m,
         "seconds": {"total": round(time.perf_counter() - t0, 2)}, "per_task": per_task, "transcripts": transcripts,
     }
+
+
+def first_edit(episode: Any) -> dict[str, Any] | None:
+    """The arguments of the episode's first well-formed ``edit_file`` call (None: no edit)."""
+    return next((c.arguments for c in episode.trajectory.tool_calls
+                 if c.name == "edit_file" and c.status in ("ok", "error") and c.arguments), None)
+
+
+def by_family(tasks: Sequence[Any], episodes: Sequence[Any], n: int) -> dict[str, dict[str, float]]:
+    """Per task family (the episodes of task i are episodes[i * n:(i + 1) * n]): tasks, pass@1,
+    edit_ok (an edit applied) and first_edit_exact: the first edit's `old` text is the line the
+    task's reference fix replaces, i.e. the policy named the broken line as the file has it
+    (rather than a line remembered from other tasks). The last is only defined for one-edit tasks
+    with a reference (generated and mined tasks): NaN otherwise."""
+    out: dict[str, dict[str, float]] = {}
+    for family in sorted({getattr(t, "family", "") for t in tasks}):
+        rows = [i for i, t in enumerate(tasks) if getattr(t, "family", "") == family]
+        eps = [(tasks[i], e) for i in rows for e in episodes[i * n:(i + 1) * n]]
+        exact = [(first_edit(e) or {}).get("old") == t.edits[0].old for t, e in eps if len(getattr(t, "edits", ())) == 1]
+        out[family or "-"] = {
+            "tasks": len(rows), "pass@1": float(np.mean([e.success for _, e in eps])),
+            "edit_ok": float(np.mean([any(c.name == "edit_file" and c.status == "ok" for c in e.trajectory.tool_calls)
+                                      for _, e in eps])),
+            "first_edit_exact": float(np.mean(exact)) if exact else float("nan")}
+    return out
 
 
 def episode_text(episode: Any, limit: int = 400) -> str:
@@ -459,7 +485,12 @@ def markdown(report: dict[str, Any]) -> str:
              f"{s['samples']} samples per task at temperature {s['temperature']}, top-p {s['top_p']}, "
              f"{report['prompt']} prompts; pass@k is the unbiased estimator. "
              f"{report['tasks']['left_out_too_long']} tasks left out (prompt longer than {s['max_prompt_len']} tokens); "
-             f"grading: {report['grading']}.", "", head, rule, *rows, "", "## Transcripts", ""]
+             f"grading: {report['grading']}.", "", head, rule, *rows, ""]
+    if report.get("by_family"):
+        lines += ["| family | tasks | pass@1 | edit applied | first edit names the broken line |", "|---" * 5 + "|"]
+        lines += [f"| {f} | {r['tasks']} | {r['pass@1']:.3f} | {r['edit_ok']:.3f} | {r['first_edit_exact']:.3f} |"
+                  for f, r in report["by_family"].items()] + [""]
+    lines += ["## Transcripts", ""]
     for t in report["transcripts"]:
         lines += [f"### {t['task_id']} (passed: {t['passed']})", "", "```python", t["prompt"].rstrip("\n"),
                   t["completion"].rstrip("\n"), "```", ""]
@@ -501,6 +532,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(" ".join(f"pass@{k}={report['overall'][f'pass@{k}']:.3f}" for k in ks)
           + f"  ({report['tasks']['evaluated']} tasks; by difficulty: "
           + ", ".join(f"L{l} {r['pass@1']:.3f}" for l, r in report["by_difficulty"].items()) + ")")
+    for family, r in report.get("by_family", {}).items():
+        print(f"  {family}: {r['tasks']} tasks, pass@1 {r['pass@1']:.3f}, edit_ok {r['edit_ok']:.3f}, "
+              f"first edit names the broken line {r['first_edit_exact']:.3f}")
     print(f"wrote {os.path.join(out, 'evaluate.json')} and .md" + (" and results/evaluate_" + args.publish + ".*"
                                                                      if args.publish else ""))
     return 0

@@ -258,5 +258,30 @@ def test_a_hugging_face_checkpoint_plays_agent_episodes_on_repository_tasks(tmp_
     assert m["eval/turns"] > 0 and m["eval/pass@2"] >= m["eval/pass@1"] == report["overall"]["pass@1"]
     for t in report["transcripts"]:
         assert t["completion"].startswith("# turn 0 (action") and "# end: " in t["completion"]
+    families = {r["task_id"].split("/")[2] for r in report["per_task"]}
+    assert set(report["by_family"]) == families
+    assert sum(r["tasks"] for r in report["by_family"].values()) == 2
     with pytest.raises(SystemExit, match="not an agent config"):
         evaluate.load_hf_agent(str(ckpt), os.path.join(root, "configs", "grpo_synth.py"))
+
+
+def test_the_family_table_counts_first_edits_that_name_the_broken_line():
+    from types import SimpleNamespace as NS
+
+    from rlcode.envs.harness import ToolCallRecord
+    from rlcode.envs.tasks import repo
+
+    a, b = (repo.generate_task(s, family=f) for s, f in ((0, "fix_constant"), (1, "fix_operator")))
+
+    def episode(task, edits, success):
+        calls = [ToolCallRecord(0, "read_file", {"path": task.edits[0].path}, "...", "ok")]
+        calls += [ToolCallRecord(i + 1, "edit_file", {"path": task.edits[0].path, "old": old, "new": "x\n"}, "...",
+                                 "ok" if old == task.edits[0].old else "error") for i, old in enumerate(edits)]
+        return NS(trajectory=NS(tool_calls=calls), success=success)
+
+    right_a, right_b = a.edits[0].old, b.edits[0].old
+    episodes = [episode(a, [right_a], True), episode(a, ["NOPE = 3\n", right_a], True), episode(a, [], False),
+                episode(b, ["    return 0\n"], False), episode(b, [right_b], False), episode(b, [right_b], True)]
+    table = evaluate.by_family([a, b], episodes, 3)
+    assert table == {"fix_constant": {"tasks": 1, "pass@1": 2 / 3, "edit_ok": 2 / 3, "first_edit_exact": 1 / 3},
+                     "fix_operator": {"tasks": 1, "pass@1": 1 / 3, "edit_ok": 2 / 3, "first_edit_exact": 2 / 3}}
