@@ -363,6 +363,34 @@ def write_file(ws: Workspace, path: str, content: str) -> str:
     return f"Wrote {len(data)} bytes ({len(content.splitlines())} lines) to {path}."
 
 
+# A failed edit shows the file's text most like `old` when it is at least this similar
+# (difflib's ratio), so the next call can copy it; below that no hint is given.
+CLOSEST_MIN_RATIO = 0.6
+CLOSEST_MAX_WINDOWS = 5000  # lines of a file searched for it
+
+
+def closest_text(text: str, old: str) -> tuple[int, str] | None:
+    """(first line number, the text) of the run of whole lines of `text` most like `old`: as
+    many lines as `old` has, each with its line break as the file has it; None when none is
+    at least CLOSEST_MIN_RATIO similar (or `old` spans more lines than the file). Ties go to
+    the earliest run."""
+    import difflib  # noqa: PLC0415
+
+    lines = text.splitlines(keepends=True)
+    k = max(1, len(old.splitlines()))
+    best, where = CLOSEST_MIN_RATIO, None
+    matcher = difflib.SequenceMatcher(None, autojunk=False)
+    matcher.set_seq2(old)
+    for i in range(min(len(lines) - k + 1, CLOSEST_MAX_WINDOWS)):
+        window = "".join(lines[i:i + k])
+        matcher.set_seq1(window)
+        if matcher.real_quick_ratio() >= best and matcher.quick_ratio() >= best:
+            ratio = matcher.ratio()
+            if ratio > best or (ratio == best and where is None):
+                best, where = ratio, (i + 1, window)
+    return where
+
+
 def edit_file(ws: Workspace, path: str, old: str, new: str) -> str:
     if not old:
         raise ToolError("old must be a non-empty string")
@@ -373,8 +401,11 @@ def edit_file(ws: Workspace, path: str, old: str, new: str) -> str:
         text = ws._read_text(rel, path)
         count = text.count(old)
         if count == 0:
-            raise ToolError(f"old text not found in {path!r}; it must match the file exactly, "
-                            "including indentation and line breaks (read the file first)")
+            close = closest_text(text, old)
+            hint = (f"; the closest text in the file (line {close[0]}) is {json.dumps(close[1])}" if close else
+                    " (read the file first)")
+            raise ToolError(_truncate(f"old text not found in {path!r}; it must match the file exactly, "
+                                      f"including indentation and line breaks{hint}", ws.limits.max_observation_chars))
         if count > 1:
             raise ToolError(f"old text occurs {count} times in {path!r}; include more surrounding "
                             "lines so that it matches exactly once")

@@ -6,6 +6,7 @@ Commands go through `LocalExecutor`, a test double that runs them with `subproce
 working copy; it isolates nothing (the sandbox's isolation is tested with the sandbox)."""
 
 import dataclasses
+import difflib
 import inspect
 import json
 import os
@@ -231,6 +232,39 @@ def test_edit_file_errors_leave_the_file_unchanged(ws, repo, old, new, message):
     out = call(ws, "edit_file", path="pkg/mod.py", old=old, new=new)
     assert out.status == "error" and message in out.observation
     assert (repo / "pkg" / "mod.py").read_text() == MODULE
+
+
+def test_a_missing_old_text_is_answered_with_the_files_closest_text(ws, repo):
+    # The hint is the file's text as JSON, so the next call can copy it into its `old` verbatim.
+    out = call(ws, "edit_file", path="pkg/mod.py", old="    return a * b\n", new="    return a + b + 0\n")
+    assert out.status == "error" and "old text not found" in out.observation
+    assert out.observation.endswith('the closest text in the file (line 2) is "    return a + b\\n"')
+    again = call(ws, "edit_file", path="pkg/mod.py", old=json.loads(out.observation.rsplit(" is ", 1)[1]),
+                 new="    return a + b + 0\n")
+    assert again.status == "ok" and (repo / "pkg" / "mod.py").read_text() == MODULE.replace("a + b", "a + b + 0")
+    # Nothing alike: no hint, only the advice to read the file.
+    out = call(ws, "edit_file", path="pkg/mod.py", old="import numpy as np\n", new="x")
+    assert out.status == "error" and out.observation.endswith("(read the file first)")
+
+
+@pytest.mark.parametrize("old, expected", [
+    ("def sub(a, c):\n    return a - c\n", (5, "def sub(a, b):\n    return a - b\n")),  # as many lines as old
+    ("def ad(a, b):", (1, "def add(a, b):\n")),  # a partial line: the whole line, with its break
+    ("    return a - b\n", (6, "    return a - b\n")),  # present: itself
+    ("return", None),  # too unlike any line
+    ("a\nb\nc\nd\ne\nf\ng\n", None),  # more lines than the file
+])
+def test_closest_text_against_a_brute_force_search(old, expected):
+    assert tools.closest_text(MODULE, old) == expected
+    lines = MODULE.splitlines(keepends=True)
+    k = max(1, len(old.splitlines()))
+    scored = [(difflib.SequenceMatcher(None, "".join(lines[i:i + k]), old, autojunk=False).ratio(), -i)
+              for i in range(len(lines) - k + 1)]
+    if scored and max(scored)[0] >= tools.CLOSEST_MIN_RATIO:
+        ratio, i = max(scored)
+        assert expected == (-i + 1, "".join(lines[-i:-i + k]))
+    else:
+        assert expected is None
 
 
 def test_edit_file_concurrent_edits_do_not_lose_updates(ws, repo):
