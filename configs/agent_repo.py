@@ -27,6 +27,12 @@ bounds the time spent in RL steps (evaluations excluded). The argument after ':'
                   tokens (192 with level 3); the length penalty's midpoint is 224 generated
                   tokens (the expert generates 0.44 times as many BPE tokens as bytes).
 
+`--config.task.demo_bugs=varied` has the expert demonstrate each of its tasks with the bug drawn
+from a much wider set (any wrong constant of 2-999, any one-operator change of the formula, any
+comparison near the threshold; `rlcode.envs.tasks.repo.generate_task`): with the standard draw a
+function's broken line is one of 2-4 forms, so SFT can fit it from the task's family without
+reading the file; RL and evaluation keep the standard tasks.
+
 Any field can then be overridden: `--config.rollout.group_size=4`, `--config.train.max_minutes=60`,
 `--config.seed=1 --config.workdir=runs/agent_repo/seed1`, `--config.resume=True`;
 `--config.seed=1 --config.sft.seed=0` runs RL seed 1 from seed 0's (cached) warm start.
@@ -90,8 +96,8 @@ def get_config(arg=None):
     # prepared once into mined_dir by `python -m experiments.prepare_mined`; no fresh set).
     cfg.task = ml_collections.ConfigDict({"source": "repo", "mined_dir": ".cache/mined",
                                           "levels": tuple(int(c) for c in choices["levels"]), "num_train": 4000,
-                                          "num_demos": 2000, "rl_tasks": "undemonstrated", "num_fresh": 32,
-                                          "num_eval": 8, "seed": 0})
+                                          "num_demos": 2000, "rl_tasks": "undemonstrated", "demo_bugs": "standard",
+                                          "num_fresh": 32, "num_eval": 8, "seed": 0})
     cfg.agent = ml_collections.ConfigDict({
         "max_turns": 6, "max_context_tokens": 3072, "max_response_tokens": 192, "summarize": True,
         "compact_prompt": True, "expert_style": "compact", "prefill": "documents",

@@ -157,7 +157,8 @@ AGENT_SECTIONS = {
     "task": {"source": text(("repo", "mined"), required=False), "mined_dir": text(required=False),
              "levels": sequence(integer(choices=repo_tasks.LEVELS), min_len=1), "num_train": integer(1),
              "num_demos": integer(0), "num_fresh": integer(0), "num_eval": integer(0), "seed": SEED,
-             "rl_tasks": text(RL_TASK_POOLS, required=False)},
+             "rl_tasks": text(RL_TASK_POOLS, required=False),
+             "demo_bugs": text(repo_tasks.BUG_DRAWS, required=False)},
     "agent": {"max_turns": integer(1), "max_context_tokens": integer(1), "max_response_tokens": integer(1),
               "summarize": flag(), "compact_prompt": flag(), "expert_style": text(repo_tasks.EXPERT_STYLES),
               "prefill": text(PREFILL_MODES), "tools": sequence(text(tuple(tools.TOOLS)))},
@@ -204,6 +205,9 @@ def validate_config(cfg: Any, num_devices: int | None = None,
     if cfg.sft.steps > 0 and not 1 <= cfg.task.num_demos <= cfg.task.num_train:
         raise ConfigError(f"task.num_demos={cfg.task.num_demos}: the warm start (sft.steps={cfg.sft.steps}) needs "
                           f"1 to task.num_train={cfg.task.num_train} demonstrations")
+    if cfg.task.get("demo_bugs", "standard") != "standard" and cfg.task.get("source", "repo") != "repo":
+        raise ConfigError(f"task.demo_bugs={cfg.task.demo_bugs!r}: varied bugs exist only for the generated "
+                          f"tasks (task.source='repo'), not task.source={cfg.task.source!r}")
     if len(rl_task_indices(cfg)) < P and cfg.task.get("source", "repo") != "mined":
         raise ConfigError(f"task.rl_tasks='undemonstrated': task.num_train={cfg.task.num_train} leaves "
                           f"{len(rl_task_indices(cfg))} tasks after the task.num_demos={cfg.task.num_demos} "
@@ -266,8 +270,20 @@ def setup(ctx: Context) -> tuple[Any, dict]:
     rl_prompts(cfg, len(tasks["train"]), 0)  # too few tasks to draw from fails before any demonstration
     demos = None
     if cfg.sft.steps > 0:
-        demos = expert_demonstrations(tasks["train"][: cfg.task.num_demos], ctx.pool, ctx.tokenizer, cfg, log=ctx.say)
+        demos = expert_demonstrations(demo_tasks(cfg, tasks["train"]), ctx.pool, ctx.tokenizer, cfg, log=ctx.say)
     return demos, tasks
+
+
+def demo_tasks(cfg: Any, train: Sequence[repo_tasks.RepoTask]) -> list[repo_tasks.RepoTask]:
+    """The tasks the scripted expert demonstrates: the first ``task.num_demos`` train tasks, or
+    with ``task.demo_bugs="varied"`` the same seeds with their bug drawn from the wider set
+    (`repo_tasks.generate_task`), so that SFT cannot fit the broken line from the family and has
+    to copy it from the file the expert read. RL and evaluation keep the standard tasks."""
+    first = list(train[: cfg.task.num_demos])
+    if cfg.task.get("demo_bugs", "standard") == "standard":
+        return first
+    return [repo_tasks.generate_task(t.seed, difficulty=t.difficulty, split=t.split, bugs=cfg.task.demo_bugs)
+            for t in first]
 
 
 def plan(ctx: Context, tasks: dict) -> Plan:

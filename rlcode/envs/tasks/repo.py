@@ -65,7 +65,8 @@ class Edit:
 class RepoTask:
     """One repository task. Treat the dicts as read-only.
 
-    task_id: ``"<split>/L<difficulty>/<family>/<seed>"``, unique per (split, difficulty, seed).
+    task_id: ``"<split>/L<difficulty>/<family>/<seed>"``, unique per (split, difficulty, seed);
+      ``/varied`` is appended for a varied-bug task (`generate_task`).
     difficulty: 1, 2 or 3 (module docstring).
     instruction: what the agent is asked to do (the user message of an episode).
     files: relative path -> text: the agent's starting copy, visible tests included.
@@ -213,13 +214,49 @@ def _eval_expr(expr: str, params: tuple[str, ...], args: tuple) -> Any:
     return eval(expr, {"__builtins__": {}}, dict(zip(params, args)))  # our own template text
 
 
-def _fix_operator(rng: random.Random) -> _Parts:
+_OPERATORS = ("+", "-", "*", "/", "//", "**")
+
+
+def _operator_variants(good: str, params: tuple[str, ...], kind: str) -> list[str]:
+    """Every expression one binary operator, one operand order or one parameter name away from
+    `good` that gives other values on at least 5 of 50 drawn arguments (and never fails,
+    overflows or goes complex there). A pure function of its arguments."""
+    parts = re.split(r" (\*\*|//|[-+*/]) ", good)  # operands and operators alternate
+    out = []
+    for i in range(1, len(parts), 2):
+        for op in _OPERATORS:
+            if op != parts[i]:
+                out.append(" ".join(parts[:i] + [op] + parts[i + 1:]))
+        if re.fullmatch(r"\w+", parts[i - 1]) and re.fullmatch(r"\w+", parts[i + 1]):
+            out.append(" ".join(parts[:i - 1] + [parts[i + 1], parts[i], parts[i - 1]] + parts[i + 2:]))
+    for i in range(0, len(parts), 2):  # a parameter written where another belongs
+        for a in params:
+            for b in params:
+                if a != b and re.search(rf"\b{a}\b", parts[i]):
+                    out.append(" ".join(parts[:i] + [re.sub(rf"\b{a}\b", b, parts[i])] + parts[i + 1:]))
+    probe = random.Random(f"rlcode.repo_tasks/variants/{good}")
+    draws = [_formula_args(probe, kind) for _ in range(50)]
+    keep = []
+    for expr in dict.fromkeys(out):
+        try:
+            values = [_eval_expr(expr, params, a) for a in draws]
+        except (ArithmeticError, ValueError):
+            continue
+        if expr != good and all(isinstance(v, (int, float)) and abs(v) < 1e12 for v in values) and sum(
+                abs(v - _eval_expr(good, params, a)) > 1e-6 for v, a in zip(values, draws)) >= 5:
+            keep.append(expr)
+    return keep
+
+
+def _fix_operator(rng: random.Random, varied: bool = False) -> _Parts:
     pkg = _package_name(rng)
     mod = rng.choice(("formulas", "measure", "compute", "arith"))
     chosen = rng.sample(_FORMULAS, 3)
     target = chosen[0]
     name, params, good, wrongs, doc, kind = target
     bad = rng.choice(wrongs)
+    if varied:  # any one-operator (or operand-order) change of the formula (`generate_task`)
+        bad = rng.choice(sorted(set(wrongs) | set(_operator_variants(good, params, kind))))
     order = chosen[:]
     rng.shuffle(order)
     funcs = []
@@ -268,12 +305,14 @@ _CONVERSIONS = (
 )
 
 
-def _fix_constant(rng: random.Random) -> _Parts:
+def _fix_constant(rng: random.Random, varied: bool = False) -> _Parts:
     pkg = _package_name(rng)
     mod = rng.choice(("units", "conversions", "scales"))
     chosen = rng.sample(_CONVERSIONS, 3)
     const, good, fn, unit, units, wrongs = chosen[0]
     bad = rng.choice(wrongs)
+    if varied:  # one of the usual wrong values a fifth of the time, else any other of 2..999
+        bad = bad if rng.random() < 0.2 else rng.choice([v for v in range(2, 1000) if v != good])
     order = chosen[:]
     rng.shuffle(order)
     consts = "".join(f"{c} = {bad if c == const else v}\n" for c, v, *_ in order)
@@ -316,7 +355,10 @@ _PREDICATES = (
 )
 
 
-def _fix_comparison(rng: random.Random) -> _Parts:
+_COMPARISONS = ("<", "<=", ">", ">=", "==", "!=")
+
+
+def _fix_comparison(rng: random.Random, varied: bool = False) -> _Parts:
     pkg = _package_name(rng)
     mod = rng.choice(("rules", "checks", "policy"))
     chosen = rng.sample(_PREDICATES, 3)
@@ -324,6 +366,10 @@ def _fix_comparison(rng: random.Random) -> _Parts:
     name, param, bad, good, rule, _ = chosen[0]
     k = ks[name]
     bad, good = bad.format(k=k), good.format(k=k)
+    if varied:  # any comparison with a threshold within 2 of k that fails the visible boundary test
+        at_k = eval(good, {}, {param: k})  # our own template text
+        bad = rng.choice([c for c in (f"{param} {op} {k + d}" for op in _COMPARISONS for d in range(-2, 3))
+                          if eval(c, {}, {param: k}) is not at_k])  # our own template text
     order = chosen[:]
     rng.shuffle(order)
     funcs = []
@@ -1014,13 +1060,14 @@ class Family:
     name: str
     difficulty: int
     split: str
-    build: Callable[[random.Random], _Parts]
+    build: Callable[..., _Parts]
+    varied: bool = False  # build(rng, varied=True) draws the planted bug from a wider set
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
-    Family("fix_operator", 1, "train", _fix_operator),
-    Family("fix_constant", 1, "train", _fix_constant),
-    Family("fix_comparison", 1, "train", _fix_comparison),
+    Family("fix_operator", 1, "train", _fix_operator, varied=True),
+    Family("fix_constant", 1, "train", _fix_constant, varied=True),
+    Family("fix_comparison", 1, "train", _fix_comparison, varied=True),
     Family("off_by_one", 1, "eval", _off_by_one),
     Family("setting_key", 2, "train", _setting_key),
     Family("unpack_order", 2, "train", _unpack_order),
@@ -1051,29 +1098,42 @@ def apply_edits(files: Mapping[str, str], edits) -> dict[str, str]:
     return out
 
 
+BUG_DRAWS = ("standard", "varied")
+
+
 def generate_task(seed: int, *, difficulty: int | None = None, split: str = "train",
-                  family: str | None = None) -> RepoTask:
+                  family: str | None = None, bugs: str = "standard") -> RepoTask:
     """The task of (split, difficulty, seed); deterministic.
 
     difficulty: 1, 2 or 3; None draws it from the seed. family: force one family of `split`
     (its difficulty then wins over `difficulty`).
+    bugs: "standard", or "varied": the level-1 fix families (``Family.varied``) plant a bug drawn
+    from a much wider set (any wrong constant of 2-999, any one-operator change of the formula,
+    any comparison within 2 of the threshold that fails the visible test), so that the broken
+    line cannot be guessed from the family and must be read from the file: a curriculum for
+    demonstrations, not an evaluation set. The family is the standard task's; the rest of the
+    task is drawn anew and its id ends in ``/varied``. Other families ignore it.
     """
     if not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")
     if difficulty is not None and difficulty not in LEVELS:
         raise ValueError(f"difficulty must be one of {LEVELS}, got {difficulty!r}")
-    rng = random.Random(f"rlcode.repo_tasks/{split}/{difficulty}/{family}/{seed}")
+    if bugs not in BUG_DRAWS:
+        raise ValueError(f"bugs must be one of {BUG_DRAWS}, got {bugs!r}")
+    name = f"rlcode.repo_tasks/{split}/{difficulty}/{family}/{seed}"
+    rng = random.Random(name)
     if family is None:
         level = difficulty if difficulty is not None else rng.choice(LEVELS)
         family = rng.choice(families(split, level))
     elif family not in families(split):
         raise ValueError(f"family {family!r} is not in split {split!r}: {families(split)}")
     fam = FAMILIES[family]
-    parts = fam.build(rng)
+    varied = bugs == "varied" and fam.varied
+    parts = fam.build(random.Random(f"{name}/varied"), varied=True) if varied else fam.build(rng)
     files = {**parts.files, **parts.visible_tests}
     solved = apply_edits(files, parts.edits)
     return RepoTask(
-        task_id=f"{split}/L{fam.difficulty}/{family}/{seed}",
+        task_id=f"{split}/L{fam.difficulty}/{family}/{seed}" + ("/varied" if varied else ""),
         difficulty=fam.difficulty,
         instruction=parts.instruction,
         files=files,
@@ -1125,7 +1185,38 @@ def write_heldout_tests(task: RepoTask, directory: str | os.PathLike) -> list[st
 # ----------------------------------------------------------------------------------------------
 # Scripted expert.
 
-EXPERT_STYLES = ("full", "compact")
+EXPERT_STYLES = ("full", "compact", "recover")
+
+_MISTAKE_OPERATORS = ("**", "//", "<=", ">=", "==", "!=", "+", "-", "*", "/", "<", ">")
+
+
+def misremembered_edit(task: RepoTask) -> Edit | None:
+    """A wrong first try at the task's first reference edit, for the ``recover`` expert: its
+    `old` text with one number or one operator changed (drawn from the task's seed), so it is
+    not in the file, is not the fix itself, and the file text most like it
+    (`rlcode.envs.tools.closest_text`, what a failed ``edit_file`` shows) is exactly the
+    reference `old`. None when no such change exists."""
+    from rlcode.envs.tools import closest_text  # noqa: PLC0415
+
+    edit = task.edits[0]
+    text = task.files[edit.path]
+    rng = random.Random(f"rlcode.repo_tasks/misremembered/{task.task_id}")
+    numbers = list(re.finditer(r"\d+", edit.old))
+    operators = list(re.finditer(r" (\*\*|//|<=|>=|==|!=|[-+*/<>]) ", edit.old))
+    candidates = []
+    for m in numbers:
+        for value in rng.sample(range(2, 1000), 8):
+            if str(value) != m.group():
+                candidates.append(edit.old[:m.start()] + str(value) + edit.old[m.end():])
+    for m in operators:
+        for op in _MISTAKE_OPERATORS:
+            if op != m.group(1):
+                candidates.append(edit.old[:m.start(1)] + op + edit.old[m.end(1):])
+    rng.shuffle(candidates)
+    for wrong in candidates:
+        if wrong != edit.new and wrong not in text and (closest_text(text, wrong) or (0, None))[1] == edit.old:
+            return Edit(edit.path, wrong, edit.new)
+    return None
 
 
 def expert_turns(task: RepoTask, style: str = "full") -> list[dict[str, Any]]:
@@ -1135,7 +1226,10 @@ def expert_turns(task: RepoTask, style: str = "full") -> list[dict[str, Any]]:
     search for the symbol the fix is about (its uses, or what ties two modules together); apply
     the reference edits; run the tests and the linter; submit. ``compact`` (short episodes for
     small models): read the relevant source files (not the tests); apply the edits; run the
-    tests; submit. The messages do not depend on the observations, so a scripted
+    tests; submit. ``recover``: ``compact`` with a wrong first try at the first edit
+    (`misremembered_edit`) before the edits: the tool refuses it and shows the file's line most
+    like it, which the next edit copies (``compact`` where no such try exists). The messages do
+    not depend on the observations, so a scripted
     policy can replay them (`rlcode.envs.harness.ScriptedPolicy`), and the episode's chat is an
     SFT demonstration in the tokenizer's message format.
     """
@@ -1145,9 +1239,11 @@ def expert_turns(task: RepoTask, style: str = "full") -> list[dict[str, Any]]:
     def call(name, **arguments):
         return {"name": name, "arguments": arguments}
 
-    if style == "compact":
+    if style in ("compact", "recover"):
         reads = [p for p in task.expert_reads if p not in task.visible_test_files] or list(task.expert_reads)
+        wrong = misremembered_edit(task) if style == "recover" else None
         turns = [("", [call("read_file", path=p) for p in reads]),
+                 *([("", [call("edit_file", path=wrong.path, old=wrong.old, new=wrong.new)])] if wrong else []),
                  ("", [call("edit_file", path=e.path, old=e.old, new=e.new) for e in task.edits]),
                  ("", [call("run_tests")]),
                  ("", [call("submit")])]

@@ -15,6 +15,7 @@ from rlcode import tokenizer as tk
 from rlcode.envs.tasks import repo as rt
 
 FAMILY_SEEDS = [(name, seed) for seed, name in enumerate(rt.FAMILIES)]
+VARIED = [name for name, fam in rt.FAMILIES.items() if fam.varied]
 
 
 def fingerprint(task):
@@ -41,20 +42,22 @@ def grading(tmp_path_factory):
     starting copy (each a separate materialised directory, held-out tests added for grading)."""
     root = tmp_path_factory.mktemp("grading")
     jobs = {}
-    for name, seed in FAMILY_SEEDS:
-        task = rt.generate_task(seed, family=name, split=rt.FAMILIES[name].split)
+    cases = [(name, name, seed, "standard") for name, seed in FAMILY_SEEDS]
+    cases += [(f"{name}/varied", name, seed, "varied") for name in VARIED for seed in (0, 1)]
+    for key, name, seed, bugs in cases:
+        task = rt.generate_task(seed, family=name, split=rt.FAMILIES[name].split, bugs=bugs)
         runs = []
         for solved in (True, False):
             directory = rt.materialize(task, root, solved=solved)
             runs.append((directory, rt.write_heldout_tests(task, directory) + list(task.visible_test_files)))
-        jobs[name] = (task, runs)
+        jobs[key] = (task, runs)
     workers = max(1, min(8, len(os.sched_getaffinity(0)) // 2))  # pytest start-up is CPU-bound
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         futures = {name: [pool.submit(pytest_run, d, p) for d, p in runs] for name, (_, runs) in jobs.items()}
         return {name: (jobs[name][0], [f.result() for f in fs]) for name, fs in futures.items()}
 
 
-@pytest.mark.parametrize("family", list(rt.FAMILIES))
+@pytest.mark.parametrize("family", list(rt.FAMILIES) + [f"{name}/varied" for name in VARIED])
 @pytest.mark.slow
 def test_solution_passes_heldout_and_start_fails(grading, family):
     task, [(rc_solved, out_solved), (rc_start, out_start)] = grading[family]
@@ -137,6 +140,69 @@ def test_task_structure(split):
             assert path in task.instruction
 
 
+def _test_outcomes(task, files):
+    """{test name: passed} for the visible and held-out tests of a one-module task, run in this
+    process: the module's source and each test module execute in one namespace (the import of
+    the package is dropped)."""
+    module = next(p for p in task.solution_files)
+    out = {}
+    for path, text in {**{p: task.files[p] for p in task.visible_test_files}, **task.heldout_tests}.items():
+        scope = {}
+        exec(compile(files[module], module, "exec"), scope)
+        exec(compile("\n".join(line for line in text.splitlines() if not line.startswith("from ")), path, "exec"), scope)
+        for name in [n for n in scope if n.startswith("test_")]:
+            try:
+                scope[name]()
+                out[f"{path}::{name}"] = True
+            except AssertionError:
+                out[f"{path}::{name}"] = False
+    return out
+
+
+@pytest.mark.parametrize("family", VARIED)
+@pytest.mark.slow
+def test_varied_bugs_are_real_bugs_that_cannot_be_guessed(family):
+    # Every varied task of 300 seeds: the starting copy fails the visible test and the named
+    # function's held-out test, the fix passes every test, the other functions' tests pass on the
+    # starting copy (only one line is broken). And the broken line is spread out: per function,
+    # more distinct broken lines than the standard draw plants (2-4 wrong forms) and none of them
+    # the bug of much more than a quarter of the tasks.
+    tasks = [rt.generate_task(s, family=family, bugs="varied") for s in range(300)]
+    assert all(t.task_id == f"train/L1/{family}/{s}/varied" for s, t in enumerate(tasks))
+    per_function = {}
+    for task in tasks:
+        start, fixed = _test_outcomes(task, task.files), _test_outcomes(task, rt.apply_edits(task.files, task.edits))
+        assert all(fixed.values()), (task.task_id, fixed)
+        failing = {n for n, ok in start.items() if not ok}
+        assert any(n.startswith(rt.TEST_DIR + "/") for n in failing), (task.task_id, start)
+        assert failing and all("_unchanged" not in n for n in failing), (task.task_id, start)
+        (edit,) = task.edits
+        function = task.instruction.split("`")[1]
+        per_function.setdefault(function, []).append(edit.old)
+    standard = [rt.generate_task(s, family=family) for s in range(300)]
+    standard_lines = {}
+    for task in standard:
+        standard_lines.setdefault(task.instruction.split("`")[1], set()).add(task.edits[0].old)
+    for function, lines in per_function.items():
+        top = max(lines.count(line) for line in lines)
+        assert len(set(lines)) > max(3, len(standard_lines[function])), (function, sorted(lines))
+        assert top <= 0.25 * len(lines) + 3, (function, sorted(lines))
+    assert not {t.task_id for t in standard} & {t.task_id for t in tasks}
+    # The family and nothing else of the draw is kept from the standard task of that seed.
+    assert [t.family for t in standard] == [t.family for t in tasks]
+
+
+def test_varied_bugs_keep_the_family_and_leave_other_families_alone():
+    for seed in range(40):
+        standard = rt.generate_task(seed, difficulty=None)
+        varied = rt.generate_task(seed, difficulty=None, bugs="varied")
+        assert varied.family == standard.family
+        if rt.FAMILIES[standard.family].varied:
+            assert varied.task_id == standard.task_id + "/varied" and varied.files != standard.files
+        else:
+            assert varied == standard
+
+
 def test_materialize_writes_a_private_copy_without_heldout_tests(tmp_path):
     task = rt.generate_task(3, difficulty=3)
     first, second = rt.materialize(task, tmp_path), rt.materialize(task, tmp_path)
@@ -174,6 +240,7 @@ def test_apply_edits_requires_a_unique_match():
     ({"seed": 0, "difficulty": 4}, "difficulty must be one of"),
     ({"seed": 0, "family": "off_by_one", "split": "train"}, "not in split"),
     ({"seed": 0, "family": "fix_operator", "split": "eval"}, "not in split"),
+    ({"seed": 0, "bugs": "wide"}, "bugs must be one of"),
 ])
 def test_generate_task_rejects_bad_arguments(kwargs, message):
     seed = kwargs.pop("seed")
@@ -203,3 +270,40 @@ def test_expert_turns_apply_the_reference_edits(family):
         parsed = tk.parse_tool_calls(text)
         assert [(p["name"], p["arguments"], p["error"]) for p in parsed] == \
             [(c["name"], c["arguments"], None) for c in turn["tool_calls"]]
+
+
+@pytest.mark.parametrize("bugs", rt.BUG_DRAWS)
+def test_the_recovering_expert_tries_a_wrong_line_then_the_one_the_tool_shows(tmp_path, bugs):
+    from support.local_executor import LocalExecutor
+
+    from rlcode.envs import tools
+
+    missing = 0
+    for family in VARIED + ["off_by_one"]:
+        for seed in range(8):
+            task = rt.generate_task(seed, family=family, split=rt.FAMILIES[family].split, bugs=bugs)
+            wrong = rt.misremembered_edit(task)
+            compact, recover = rt.expert_turns(task, "compact"), rt.expert_turns(task, "recover")
+            if wrong is None:  # e.g. every changed operator is closer to another function's line
+                missing += 1
+                assert recover == compact
+                continue
+            (edit,) = task.edits
+            assert wrong.path == edit.path and wrong.new == edit.new
+            assert wrong.old not in task.files[edit.path] and wrong.old.count("\n") == edit.old.count("\n")
+            assert recover == compact[:1] + [{"role": "assistant", "content": "", "tool_calls": [
+                {"name": "edit_file", "arguments": {"path": wrong.path, "old": wrong.old, "new": wrong.new}}]}] + compact[1:]
+            # Played in a workspace: the wrong try is refused with the reference line as the hint, and
+            # the expert's next edit is that hint, copied.
+            ws = tools.Workspace(rt.materialize(task, tmp_path), LocalExecutor(), test_paths=list(task.visible_test_files))
+            out = tools.call_tool(ws, "edit_file", recover[1]["tool_calls"][0]["arguments"])
+            assert out.status == "error"
+            assert json.loads(out.observation.rsplit(" is ", 1)[1]) == recover[2]["tool_calls"][0]["arguments"]["old"]
+            assert tools.call_tool(ws, "edit_file", recover[2]["tool_calls"][0]["arguments"]).status == "ok"
+    assert missing <= 2
+
+
+def test_no_wrong_try_where_no_single_change_points_back_to_the_line():
+    task = rt.generate_task(0, family="setting_key")  # the edit changes a quoted key: no number or operator
+    assert rt.misremembered_edit(task) is None
+    assert rt.expert_turns(task, "recover") == rt.expert_turns(task, "compact")

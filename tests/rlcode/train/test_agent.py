@@ -10,6 +10,7 @@ import json
 import math
 import os
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -206,6 +207,7 @@ def test_config_errors():
         ("reward.hack_flags", ("tampered", "nope"), "reward.hack_flags"),
         ("task.num_demos", 5000, "task.num_demos=5000"),
         ("task.rl_tasks", "demos", "task.rl_tasks='demos'"),
+        ("task.demo_bugs", "wide", "task.demo_bugs='wide'"),
         ("task.num_train", 2002, "task.num_train=2002 leaves 2 tasks after the task.num_demos=2000 demonstrations"),
         ("rollout.prompts_per_step", 5000, "task.num_train=4000"),
         ("advantage.estimator", "gae", "advantage.estimator='gae'"),
@@ -244,6 +246,32 @@ def test_rl_prompts_come_from_the_tasks_the_warm_start_never_saw():
     with pytest.raises(ConfigError, match="3 of the 43 train tasks to draw from, fewer than rollout.prompts_per_step=4"
                                           "; the first task.num_demos=40 are demonstrations: set task.rl_tasks=all"):
         agent.rl_prompts(cfg, 43, 0)  # e.g. a mined train split shorter than task.num_train
+
+
+@pytest.mark.parametrize("demo_bugs", ["standard", "varied"])
+def test_the_expert_demonstrates_the_first_train_tasks_or_their_varied_bugs(monkeypatch, demo_bugs):
+    cfg = tiny("squid")
+    cfg.task.num_train, cfg.task.num_demos, cfg.task.demo_bugs = 16, 9, demo_bugs
+    played = []
+    monkeypatch.setattr(agent, "expert_demonstrations", lambda tasks, *a, **k: played.append(tasks) or "demos")
+    ctx = types.SimpleNamespace(cfg=cfg, pool=None, tokenizer=None, say=lambda m: None)
+    demos, tasks = agent.setup(ctx)
+    assert demos == "demos" and len(tasks["train"]) == 16
+    (shown,) = played
+    first = tasks["train"][:9]
+    if demo_bugs == "standard":
+        assert shown == first
+    else:  # the same seeds and families, a bug from the wider draw; RL's and evaluation's tasks unchanged
+        assert [(t.seed, t.family) for t in shown] == [(t.seed, t.family) for t in first]
+        assert all(s.task_id == f.task_id + "/varied" and s.files != f.files for s, f in zip(shown, first))
+        assert tasks == agent.build_tasks(cfg)
+
+
+def test_varied_demonstration_bugs_need_the_generated_tasks():
+    cfg = tiny("squid")
+    cfg.task.source, cfg.task.demo_bugs = "mined", "varied"
+    with pytest.raises(ConfigError, match="task.demo_bugs='varied': varied bugs exist only for the generated tasks"):
+        agent.validate_config(cfg, 1)
 
 
 def test_every_field_of_the_agent_job_is_checked():
