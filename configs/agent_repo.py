@@ -101,7 +101,9 @@ def get_config(arg=None):
     cfg.agent = ml_collections.ConfigDict({
         "max_turns": 6, "max_context_tokens": 3072, "max_response_tokens": 192, "summarize": True,
         "compact_prompt": True, "expert_style": "compact", "prefill": "documents",
-        "tools": ("read_file", "edit_file", "grep", "run_tests", "submit")})
+        "tools": ("read_file", "edit_file", "grep", "run_tests", "submit"),
+        # A failed edit_file shows the file's closest text (runs written before this field had none).
+        "edit_hints": True})
     cfg.sampling = ml_collections.ConfigDict({"temperature": 1.0})
     # async_mode: play the episodes of step t + 1 while step t trains (at most max_staleness
     # batches in flight; see rlcode.train.engine).

@@ -80,6 +80,7 @@ class ToolLimits:
 
     max_file_bytes: int = 1_000_000  # largest file read, edited or written
     max_observation_chars: int = 12_000  # longest observation (head and tail are kept)
+    edit_hints: bool = True  # a failed edit_file shows the file's closest text (`closest_text`)
     max_grep_matches: int = 50
     max_grep_line_chars: int = 200  # a matching line is cut to this many characters
     max_list_entries: int = 200
@@ -401,7 +402,7 @@ def edit_file(ws: Workspace, path: str, old: str, new: str) -> str:
         text = ws._read_text(rel, path)
         count = text.count(old)
         if count == 0:
-            close = closest_text(text, old)
+            close = closest_text(text, old) if ws.limits.edit_hints else None
             hint = (f"; the closest text in the file (line {close[0]}) is {json.dumps(close[1])}" if close else
                     " (read the file first)")
             raise ToolError(_truncate(f"old text not found in {path!r}; it must match the file exactly, "

@@ -90,10 +90,13 @@ def expert_demonstrations(tasks: Sequence[repo_tasks.RepoTask], pool: Any, token
     (the tasks, the episode settings and the tokenizer's fingerprint)."""
     kwargs = episode_kwargs(cfg)
     documents = cfg.model.attention.kind == "squid"
+    # The tool limits enter the key only through edit_hints, and only when off (the key of a
+    # cache written before the hints existed is the key with hints on).
+    hints = {} if kwargs["limits"].edit_hints else {"edit_hints": False}
     h = hashlib.sha256(json.dumps({"tasks": [t.task_id for t in tasks], "style": cfg.agent.expert_style,
-                                   "kwargs": {k: v for k, v in kwargs.items() if k != "registry"},
+                                   "kwargs": {k: v for k, v in kwargs.items() if k not in ("registry", "limits")},
                                    "tools": sorted(kwargs["registry"]), "documents": documents,
-                                   "tokenizer": tokenizer.fingerprint()},
+                                   "tokenizer": tokenizer.fingerprint(), **hints},
                                   sort_keys=True, default=str).encode()).hexdigest()[:16]
     path = os.path.join(cfg.sft.cache_dir, f"agent_demos_{h}.npz")
     if os.path.exists(path):

@@ -99,10 +99,12 @@ class Episode:
 def episode_kwargs(cfg: Any) -> dict[str, Any]:
     a = cfg.agent
     registry = {name: tools.TOOLS[name] for name in a.tools} if a.tools else tools.TOOLS
+    # A config without agent.edit_hints was written before failed edits showed the closest text.
     return dict(max_turns=a.max_turns, max_context_tokens=a.max_context_tokens,
                 max_response_tokens=a.max_response_tokens,
                 summary_prompt=harness.SUMMARY_PROMPT if a.summarize else None,
-                system_prompt=harness.render_system_prompt(registry, compact=a.compact_prompt), registry=registry)
+                system_prompt=harness.render_system_prompt(registry, compact=a.compact_prompt), registry=registry,
+                limits=tools.ToolLimits(edit_hints=bool(a.get("edit_hints", False))))
 
 
 _SCORERS: dict[str, Any] = {}

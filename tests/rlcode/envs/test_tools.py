@@ -245,6 +245,10 @@ def test_a_missing_old_text_is_answered_with_the_files_closest_text(ws, repo):
     # Nothing alike: no hint, only the advice to read the file.
     out = call(ws, "edit_file", path="pkg/mod.py", old="import numpy as np\n", new="x")
     assert out.status == "error" and out.observation.endswith("(read the file first)")
+    # Hints off (what runs before they existed saw).
+    quiet = tools.Workspace(repo, LocalExecutor(), limits=tools.ToolLimits(edit_hints=False))
+    out = call(quiet, "edit_file", path="pkg/mod.py", old="    return a * b\n", new="x")
+    assert out.status == "error" and out.observation.endswith("(read the file first)")
 
 
 @pytest.mark.parametrize("old, expected", [

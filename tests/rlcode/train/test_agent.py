@@ -267,6 +267,15 @@ def test_the_expert_demonstrates_the_first_train_tasks_or_their_varied_bugs(monk
         assert tasks == agent.build_tasks(cfg)
 
 
+def test_failed_edits_show_the_closest_text_unless_the_run_predates_it():
+    cfg = tiny("squid")
+    assert episodes_lib.episode_kwargs(cfg)["limits"].edit_hints is True  # the config's default
+    cfg.agent.edit_hints = False
+    assert episodes_lib.episode_kwargs(cfg)["limits"].edit_hints is False
+    del cfg.agent["edit_hints"]  # a run's saved config from before the field: no hints, as it ran
+    assert episodes_lib.episode_kwargs(cfg)["limits"].edit_hints is False
+
+
 def test_varied_demonstration_bugs_need_the_generated_tasks():
     cfg = tiny("squid")
     cfg.task.source, cfg.task.demo_bugs = "mined", "varied"
