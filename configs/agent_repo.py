@@ -102,7 +102,8 @@ def get_config(arg=None):
         "max_turns": 6, "max_context_tokens": 3072, "max_response_tokens": 192, "summarize": True,
         "compact_prompt": True, "expert_style": "compact", "prefill": "documents",
         "tools": ("read_file", "edit_file", "grep", "run_tests", "submit"),
-        # A failed edit_file shows the file's closest text (runs written before this field had none).
+        # A failed edit_file shows the file's closest text. A run saved before this field ran without
+        # it (evaluated so), and resuming one with hints on is a config change.
         "edit_hints": True})
     cfg.sampling = ml_collections.ConfigDict({"temperature": 1.0})
     # async_mode: play the episodes of step t + 1 while step t trains (at most max_staleness

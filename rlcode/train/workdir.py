@@ -40,7 +40,7 @@ ADDED_FIELDS = {
     "lora.targets": ["q", "k", "v", "o", "gate", "up", "down"], "lora.dtype": "float32",
     # Either job's own default task source (a set: any of them is the neutral value).
     "task.source": frozenset({"synth", "repo"}), "task.mined_dir": ".cache/mined",
-    "sft.seed": -1, "task.demo_bugs": "standard", "agent.edit_hints": False,
+    "sft.seed": -1, "task.demo_bugs": "standard",
     "data.repeat_fraction": 0.0, "data.repeat_span": 256, "data.repeat_tokens": "span",
 }
 

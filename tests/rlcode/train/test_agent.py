@@ -274,6 +274,9 @@ def test_failed_edits_show_the_closest_text_unless_the_run_predates_it():
     assert episodes_lib.episode_kwargs(cfg)["limits"].edit_hints is False
     del cfg.agent["edit_hints"]  # a run's saved config from before the field: no hints, as it ran
     assert episodes_lib.episode_kwargs(cfg)["limits"].edit_hints is False
+    # so resuming such a run with the config's hints on is a change (refused without resume_override)
+    old, new = (json.loads(json.dumps(c.to_dict(), default=list)) for c in (cfg, tiny("squid")))
+    assert workdir_lib.config_changes(old, new) == {"agent.edit_hints": ("(absent)", True)}
 
 
 def test_varied_demonstration_bugs_need_the_generated_tasks():
