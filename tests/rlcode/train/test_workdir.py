@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from rlcode.checks import flatten
 from rlcode.train import workdir
 from support import job_config, tiny_job
@@ -54,6 +56,25 @@ def test_warm_start_caches_written_before_the_added_fields_stay_valid(tmp_path):
     assert sft.cache_key(cfg.model, cfg.sft, demos, 0) == sft.cache_key(old, cfg.sft, demos, 0)
     cfg.model.qkv_bias = True  # a model that differs is another cache entry
     assert sft.cache_key(cfg.model, cfg.sft, demos, 0) != sft.cache_key(old, cfg.sft, demos, 0)
+
+
+@pytest.mark.parametrize("sft_seed, used", [(-1, 3), (0, 0)])
+def test_the_engine_warms_up_with_the_warm_start_seed(tmp_path, monkeypatch, sft_seed, used):
+    import types
+
+    from rlcode.train import engine, sft
+
+    cfg = tiny_job.tiny_config(tmp_path)
+    cfg.seed, cfg.sft.seed, cfg.sft.steps = 3, sft_seed, 2
+    seeds = []
+
+    def load_or_train(model_cfg, sft_cfg, demos, seed, **kwargs):
+        seeds.append(seed)
+        return "params", {"cached": True, "history": [{"step": 2, "nll": 0.5}]}
+
+    monkeypatch.setattr(sft, "load_or_train", load_or_train)
+    ctx = types.SimpleNamespace(cfg=cfg, say=lambda m: None, writer=types.SimpleNamespace(scalars=lambda *a: None))
+    assert engine._warm_start(ctx, demos="demos")[0] == "params" and seeds == [used]
 
 
 def test_the_warm_start_seed_is_the_runs_unless_sft_seed_names_one(tmp_path):
