@@ -28,10 +28,12 @@ bounds the time spent in RL steps (evaluations excluded). The argument after ':'
                   tokens (the expert generates 0.44 times as many BPE tokens as bytes).
 
 `--config.task.demo_bugs=varied` has the expert demonstrate each of its tasks with the bug drawn
-from a much wider set (any wrong constant of 2-999, any one-operator change of the formula, any
-comparison near the threshold; `rlcode.envs.tasks.repo.generate_task`): with the standard draw a
-function's broken line is one of 2-4 forms, so SFT can fit it from the task's family without
-reading the file; RL and evaluation keep the standard tasks.
+from a much wider set (any wrong constant of 2-999, any one-operator, operand-order or parameter
+change of the formula, any comparison near the threshold; `rlcode.envs.tasks.repo.generate_task`):
+with the standard draw a function's broken line is one of 2-4 forms, so SFT can fit it from the
+task's family without reading the file; RL and evaluation keep the standard tasks.
+`--config.agent.expert_style=recover` has the expert first try a wrong line, which the tool
+refuses showing the file's closest line (`agent.edit_hints`), then copy that line.
 
 Any field can then be overridden: `--config.rollout.group_size=4`, `--config.train.max_minutes=60`,
 `--config.seed=1 --config.workdir=runs/agent_repo/seed1`, `--config.resume=True`;

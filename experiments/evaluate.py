@@ -439,6 +439,8 @@ def by_family(tasks: Sequence[Any], episodes: Sequence[Any], n: int) -> dict[str
     task's reference fix replaces, i.e. the policy named the broken line as the file has it
     (rather than a line remembered from other tasks). The last is only defined for one-edit tasks
     with a reference (generated and mined tasks): NaN otherwise."""
+    from rlcode.train.episodes import called_ok  # noqa: PLC0415
+
     out: dict[str, dict[str, float]] = {}
     for family in sorted({getattr(t, "family", "") for t in tasks}):
         rows = [i for i, t in enumerate(tasks) if getattr(t, "family", "") == family]
@@ -446,8 +448,7 @@ def by_family(tasks: Sequence[Any], episodes: Sequence[Any], n: int) -> dict[str
         exact = [(first_edit(e) or {}).get("old") == t.edits[0].old for t, e in eps if len(getattr(t, "edits", ())) == 1]
         out[family or "-"] = {
             "tasks": len(rows), "pass@1": float(np.mean([e.success for _, e in eps])),
-            "edit_ok": float(np.mean([any(c.name == "edit_file" and c.status == "ok" for c in e.trajectory.tool_calls)
-                                      for _, e in eps])),
+            "edit_ok": float(np.mean([called_ok(e.trajectory, "edit_file") for _, e in eps])),
             "first_edit_exact": float(np.mean(exact)) if exact else float("nan")}
     return out
 

@@ -171,7 +171,8 @@ def play_episodes(tasks: Sequence[repo_tasks.RepoTask], sampler: SessionSampler,
         fstree.remove(root)
 
 
-def _called_ok(trajectory: Any, tool: str) -> bool:
+def called_ok(trajectory: Any, tool: str) -> bool:
+    """Whether a call of `tool` in the trajectory succeeded."""
     return any(c.name == tool and c.status == "ok" for c in trajectory.tool_calls)
 
 
@@ -187,8 +188,8 @@ def episode_metrics(episodes: Sequence[Episode], prefix: str) -> dict[str, float
         f"{prefix}/tool_errors": float(np.mean([t.num_tool_errors for t in trajs])),
         # Episodes with at least one read_file / edit_file that succeeded: whether the policy names
         # a real file (copies the path from its context) before it can fix anything.
-        f"{prefix}/read_ok": float(np.mean([_called_ok(t, "read_file") for t in trajs])),
-        f"{prefix}/edit_ok": float(np.mean([_called_ok(t, "edit_file") for t in trajs])),
+        f"{prefix}/read_ok": float(np.mean([called_ok(t, "read_file") for t in trajs])),
+        f"{prefix}/edit_ok": float(np.mean([called_ok(t, "edit_file") for t in trajs])),
         f"{prefix}/submitted": float(np.mean([t.submitted for t in trajs])),
         f"{prefix}/summaries": float(np.mean([t.num_summaries for t in trajs])),
         f"{prefix}/invalid": float(np.mean([not e.valid for e in episodes])),

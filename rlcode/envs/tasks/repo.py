@@ -255,7 +255,7 @@ def _fix_operator(rng: random.Random, varied: bool = False) -> _Parts:
     target = chosen[0]
     name, params, good, wrongs, doc, kind = target
     bad = rng.choice(wrongs)
-    if varied:  # any one-operator (or operand-order) change of the formula (`generate_task`)
+    if varied:  # any one-operator, operand-order or parameter-name change of the formula (`generate_task`)
         bad = rng.choice(sorted(set(wrongs) | set(_operator_variants(good, params, kind))))
     order = chosen[:]
     rng.shuffle(order)
@@ -1108,8 +1108,9 @@ def generate_task(seed: int, *, difficulty: int | None = None, split: str = "tra
     difficulty: 1, 2 or 3; None draws it from the seed. family: force one family of `split`
     (its difficulty then wins over `difficulty`).
     bugs: "standard", or "varied": the level-1 fix families (``Family.varied``) plant a bug drawn
-    from a much wider set (any wrong constant of 2-999, any one-operator change of the formula,
-    any comparison within 2 of the threshold that fails the visible test), so that the broken
+    from a much wider set (any wrong constant of 2-999, any one-operator, operand-order or
+    parameter-name change of the formula, any comparison within 2 of the threshold that fails
+    the visible test), so that the broken
     line cannot be guessed from the family and must be read from the file: a curriculum for
     demonstrations, not an evaluation set. The family is the standard task's; the rest of the
     task is drawn anew and its id ends in ``/varied``. Other families ignore it.
