@@ -392,6 +392,23 @@ def closest_text(text: str, old: str) -> tuple[int, str] | None:
     return where
 
 
+HINT_PREFIX = "; the closest text in the file (line "  # how a failed edit_file names the closest text
+
+
+def edit_hint(observation: str) -> str | None:
+    """The closest text a failed ``edit_file`` showed in `observation` (None: no hint, or one cut
+    short by the observation limit)."""
+    at = observation.rfind(HINT_PREFIX)
+    if at < 0:
+        return None
+    rest = observation[at + len(HINT_PREFIX):]
+    start = rest.find(") is ")
+    try:
+        return json.loads(rest[start + len(") is "):]) if start >= 0 else None
+    except json.JSONDecodeError:
+        return None
+
+
 def edit_file(ws: Workspace, path: str, old: str, new: str) -> str:
     if not old:
         raise ToolError("old must be a non-empty string")
@@ -403,7 +420,7 @@ def edit_file(ws: Workspace, path: str, old: str, new: str) -> str:
         count = text.count(old)
         if count == 0:
             close = closest_text(text, old) if ws.limits.edit_hints else None
-            hint = (f"; the closest text in the file (line {close[0]}) is {json.dumps(close[1])}" if close else
+            hint = (f"{HINT_PREFIX}{close[0]}) is {json.dumps(close[1])}" if close else
                     " (read the file first)")
             raise ToolError(_truncate(f"old text not found in {path!r}; it must match the file exactly, "
                                       f"including indentation and line breaks{hint}", ws.limits.max_observation_chars))

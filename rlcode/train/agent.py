@@ -74,6 +74,11 @@ def evaluate(tasks: Sequence[repo_tasks.RepoTask], sampler: SessionSampler, para
     for level in sorted({t.difficulty for t in tasks}):
         sel = [i for i, t in enumerate(tasks) if t.difficulty == level]
         out[f"{prefix}/success_L{level}"] = float(correct[sel].mean())
+    # Per task family (generated repository tasks): where the rate of guessing the broken line
+    # differs by family, the overall success hides which one moved.
+    for family in sorted({getattr(t, "family", "") for t in tasks} - {""}):
+        sel = [i for i, t in enumerate(tasks) if getattr(t, "family", "") == family]
+        out[f"{prefix}/success_{family}"] = float(correct[sel].mean())
     return out
 
 

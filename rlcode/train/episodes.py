@@ -176,6 +176,21 @@ def called_ok(trajectory: Any, tool: str) -> bool:
     return any(c.name == tool and c.status == "ok" for c in trajectory.tool_calls)
 
 
+def hint_follow_ups(trajectory: Any) -> tuple[int, int]:
+    """(edits that followed a hinted failure, those whose `old` is the hinted text): each
+    ``edit_file`` call right after one the tool refused with the file's closest text
+    (`rlcode.envs.tools.edit_hint`), and whether it copied that text."""
+    hinted, followed, copied = None, 0, 0
+    for call in trajectory.tool_calls:
+        if call.name != "edit_file" or call.status not in ("ok", "error"):
+            continue
+        if hinted is not None:
+            followed += 1
+            copied += (call.arguments or {}).get("old") == hinted
+        hinted = tools.edit_hint(call.observation) if call.status == "error" else None
+    return followed, copied
+
+
 def episode_metrics(episodes: Sequence[Episode], prefix: str) -> dict[str, float]:
     trajs = [e.trajectory for e in episodes]
     out = {
@@ -190,6 +205,10 @@ def episode_metrics(episodes: Sequence[Episode], prefix: str) -> dict[str, float
         # a real file (copies the path from its context) before it can fix anything.
         f"{prefix}/read_ok": float(np.mean([called_ok(t, "read_file") for t in trajs])),
         f"{prefix}/edit_ok": float(np.mean([called_ok(t, "edit_file") for t in trajs])),
+        # Edits per episode made right after a failed edit that showed the file's closest text,
+        # and those that copied it: whether the policy reads the hint or guesses again.
+        f"{prefix}/hint_follow_ups": float(np.mean([hint_follow_ups(t)[0] for t in trajs])),
+        f"{prefix}/hint_copies": float(np.mean([hint_follow_ups(t)[1] for t in trajs])),
         f"{prefix}/submitted": float(np.mean([t.submitted for t in trajs])),
         f"{prefix}/summaries": float(np.mean([t.num_summaries for t in trajs])),
         f"{prefix}/invalid": float(np.mean([not e.valid for e in episodes])),

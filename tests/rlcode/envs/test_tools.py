@@ -239,12 +239,19 @@ def test_a_missing_old_text_is_answered_with_the_files_closest_text(ws, repo):
     out = call(ws, "edit_file", path="pkg/mod.py", old="    return a * b\n", new="    return a + b + 0\n")
     assert out.status == "error" and "old text not found" in out.observation
     assert out.observation.endswith('the closest text in the file (line 2) is "    return a + b\\n"')
+    assert tools.edit_hint(out.observation) == "    return a + b\n"
     again = call(ws, "edit_file", path="pkg/mod.py", old=json.loads(out.observation.rsplit(" is ", 1)[1]),
                  new="    return a + b + 0\n")
+    assert tools.edit_hint(again.observation) is None
     assert again.status == "ok" and (repo / "pkg" / "mod.py").read_text() == MODULE.replace("a + b", "a + b + 0")
     # Nothing alike: no hint, only the advice to read the file.
     out = call(ws, "edit_file", path="pkg/mod.py", old="import numpy as np\n", new="x")
     assert out.status == "error" and out.observation.endswith("(read the file first)")
+    assert tools.edit_hint(out.observation) is None
+    # A hint whose text the observation limit cut short is no hint.
+    assert tools.edit_hint(tools.HINT_PREFIX + '2) is "    return a +') is None
+    tricky = 'a " b) is "c"\n'
+    assert tools.edit_hint(tools.HINT_PREFIX + "2) is " + json.dumps(tricky)) == tricky
     # Hints off (what runs before they existed saw).
     quiet = tools.Workspace(repo, LocalExecutor(), limits=tools.ToolLimits(edit_hints=False))
     out = call(quiet, "edit_file", path="pkg/mod.py", old="    return a * b\n", new="x")

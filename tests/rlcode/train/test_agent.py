@@ -540,6 +540,38 @@ def test_episode_metrics_count_the_tool_calls_that_succeeded(tmp_path):
     assert m["eval/tool_errors"] == pytest.approx(2 / 3)
 
 
+def test_hint_follow_ups_count_the_edits_after_a_hinted_failure_and_the_copies(tmp_path):
+    """hint_follow_ups / hint_copies: edit_file calls right after one the tool refused with the
+    file's closest text, and those whose `old` is that text. Episodes played through the harness
+    with the tool's real hint."""
+    task = repo_tasks.generate_task(3, family="fix_constant")
+    wrong, edit = repo_tasks.misremembered_edit(task), task.edits[0]
+    assert wrong is not None
+
+    def play(*olds):
+        turns = [{"role": "assistant", "content": "", "tool_calls": [
+            {"name": "edit_file", "arguments": {"path": edit.path, "old": old, "new": edit.new}}]} for old in olds]
+        turns.insert(1, {"role": "assistant", "content": "", "tool_calls": [  # a call between edits
+            {"name": "read_file", "arguments": {"path": edit.path}}]})
+        traj = harness.run_episode(task, harness.ScriptedPolicy(TOK, turns), LocalExecutor(), TOK,
+                                   max_turns=len(turns), root=tmp_path, max_context_tokens=1 << 17,
+                                   max_response_tokens=4096)
+        return episodes_lib.Episode(task=task, trajectory=traj, reward=0.0, terms={}, flags=(), valid=True,
+                                    hacked=False, success=False)
+
+    unlike = "import nothing_like_this_file\n"  # refused without a hint
+    cases = {(wrong.old, edit.old): (1, 1),  # hint copied
+             (wrong.old, wrong.old, edit.old): (2, 1),  # the same guess again, then the copy
+             (wrong.old, unlike, edit.old): (1, 0),  # a guess after the hint; no hint after it
+             (edit.old,): (0, 0), (unlike, edit.old): (0, 0)}
+    eps = []
+    for olds, expected in cases.items():
+        eps.append(play(*olds))
+        assert episodes_lib.hint_follow_ups(eps[-1].trajectory) == expected, olds
+    m = episodes_lib.episode_metrics(eps, "eval")
+    assert m["eval/hint_follow_ups"] == pytest.approx(4 / 5) and m["eval/hint_copies"] == pytest.approx(2 / 5)
+
+
 def test_agent_report_means_over_the_steps_two_runs_share(tmp_path, monkeypatch):
     """--mean_steps: per-step means over steps 1..N only (a shorter run of the same seed compared
     on the steps both made); the evaluations' start and end stay the run's own."""
