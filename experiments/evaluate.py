@@ -438,18 +438,22 @@ def by_family(tasks: Sequence[Any], episodes: Sequence[Any], n: int) -> dict[str
     edit_ok (an edit applied) and first_edit_exact: the first edit's `old` text is the line the
     task's reference fix replaces, i.e. the policy named the broken line as the file has it
     (rather than a line remembered from other tasks). The last is only defined for one-edit tasks
-    with a reference (generated and mined tasks): NaN otherwise."""
-    from rlcode.train.episodes import called_ok  # noqa: PLC0415
+    with a reference (generated and mined tasks): NaN otherwise. hint_copied: of the edits made
+    right after a failed edit that showed the file's closest text, the share that copied it (NaN:
+    no such edit)."""
+    from rlcode.train.episodes import called_ok, hint_follow_ups  # noqa: PLC0415
 
     out: dict[str, dict[str, float]] = {}
     for family in sorted({getattr(t, "family", "") for t in tasks}):
         rows = [i for i, t in enumerate(tasks) if getattr(t, "family", "") == family]
         eps = [(tasks[i], e) for i in rows for e in episodes[i * n:(i + 1) * n]]
         exact = [(first_edit(e) or {}).get("old") == t.edits[0].old for t, e in eps if len(getattr(t, "edits", ())) == 1]
+        follow = np.sum([hint_follow_ups(e.trajectory) for _, e in eps], axis=0) if eps else np.zeros(2)
         out[family or "-"] = {
             "tasks": len(rows), "pass@1": float(np.mean([e.success for _, e in eps])),
             "edit_ok": float(np.mean([called_ok(e.trajectory, "edit_file") for _, e in eps])),
-            "first_edit_exact": float(np.mean(exact)) if exact else float("nan")}
+            "first_edit_exact": float(np.mean(exact)) if exact else float("nan"),
+            "hint_copied": float(follow[1] / follow[0]) if follow[0] else float("nan")}
     return out
 
 
@@ -488,9 +492,10 @@ def markdown(report: dict[str, Any]) -> str:
              f"{report['tasks']['left_out_too_long']} tasks left out (prompt longer than {s['max_prompt_len']} tokens); "
              f"grading: {report['grading']}.", "", head, rule, *rows, ""]
     if report.get("by_family"):
-        lines += ["| family | tasks | pass@1 | edit applied | first edit names the broken line |", "|---" * 5 + "|"]
-        lines += [f"| {f} | {r['tasks']} | {r['pass@1']:.3f} | {r['edit_ok']:.3f} | {r['first_edit_exact']:.3f} |"
-                  for f, r in report["by_family"].items()] + [""]
+        lines += ["| family | tasks | pass@1 | edit applied | first edit names the broken line | edit hint copied |",
+                  "|---" * 6 + "|"]
+        lines += [f"| {f} | {r['tasks']} | {r['pass@1']:.3f} | {r['edit_ok']:.3f} | {r['first_edit_exact']:.3f} | "
+                  f"{r.get('hint_copied', float('nan')):.3f} |" for f, r in report["by_family"].items()] + [""]
     lines += ["## Transcripts", ""]
     for t in report["transcripts"]:
         lines += [f"### {t['task_id']} (passed: {t['passed']})", "", "```python", t["prompt"].rstrip("\n"),
@@ -535,7 +540,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           + ", ".join(f"L{l} {r['pass@1']:.3f}" for l, r in report["by_difficulty"].items()) + ")")
     for family, r in report.get("by_family", {}).items():
         print(f"  {family}: {r['tasks']} tasks, pass@1 {r['pass@1']:.3f}, edit_ok {r['edit_ok']:.3f}, "
-              f"first edit names the broken line {r['first_edit_exact']:.3f}")
+              f"first edit names the broken line {r['first_edit_exact']:.3f}, "
+              f"edit hint copied {r.get('hint_copied', float('nan')):.3f}")
     print(f"wrote {os.path.join(out, 'evaluate.json')} and .md" + (" and results/evaluate_" + args.publish + ".*"
                                                                      if args.publish else ""))
     return 0

@@ -268,6 +268,7 @@ def test_a_hugging_face_checkpoint_plays_agent_episodes_on_repository_tasks(tmp_
 def test_the_family_table_counts_first_edits_that_name_the_broken_line():
     from types import SimpleNamespace as NS
 
+    from rlcode.envs import tools
     from rlcode.envs.harness import ToolCallRecord
     from rlcode.envs.tasks import repo
 
@@ -275,7 +276,10 @@ def test_the_family_table_counts_first_edits_that_name_the_broken_line():
 
     def episode(task, edits, success):
         calls = [ToolCallRecord(0, "read_file", {"path": task.edits[0].path}, "...", "ok")]
-        calls += [ToolCallRecord(i + 1, "edit_file", {"path": task.edits[0].path, "old": old, "new": "x\n"}, "...",
+        # A refused edit shows the planted line, as the tool does.
+        hint = tools.HINT_PREFIX + "1) is " + json.dumps(task.edits[0].old)
+        calls += [ToolCallRecord(i + 1, "edit_file", {"path": task.edits[0].path, "old": old, "new": "x\n"},
+                                 "..." if old == task.edits[0].old else hint,
                                  "ok" if old == task.edits[0].old else "error") for i, old in enumerate(edits)]
         return NS(trajectory=NS(tool_calls=calls), success=success)
 
@@ -283,5 +287,8 @@ def test_the_family_table_counts_first_edits_that_name_the_broken_line():
     episodes = [episode(a, [right_a], True), episode(a, ["NOPE = 3\n", right_a], True), episode(a, [], False),
                 episode(b, ["    return 0\n"], False), episode(b, [right_b], False), episode(b, [right_b], True)]
     table = evaluate.by_family([a, b], episodes, 3)
-    assert table == {"fix_constant": {"tasks": 1, "pass@1": 2 / 3, "edit_ok": 2 / 3, "first_edit_exact": 1 / 3},
+    nan = table["fix_operator"].pop("hint_copied")
+    assert nan != nan  # no hinted failure: undefined
+    assert table == {"fix_constant": {"tasks": 1, "pass@1": 2 / 3, "edit_ok": 2 / 3, "first_edit_exact": 1 / 3,
+                                      "hint_copied": 1.0},
                      "fix_operator": {"tasks": 1, "pass@1": 1 / 3, "edit_ok": 2 / 3, "first_edit_exact": 2 / 3}}
