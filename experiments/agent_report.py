@@ -11,8 +11,8 @@ step) and writes runs/agent_repo/agent_repo.json (`--out`; results/agent_repo.js
 * ``curves``: {tag: [[step, value], ...]} of the first run for eval_fresh/success, eval/success,
   rollout/success, the tool outcomes of each (read_ok, edit_ok, tool_errors), the prefill token
   counts per step of the three samplers, the saved fraction, step/sample/prefill seconds;
-  ``summary``: start (SFT) and end of every run's success and eval_fresh tool outcomes with the
-  change, RL minutes, mean prefill tokens per step by sampler.
+  ``summary``: start (SFT) and end of every run's success and eval_fresh tool outcomes (edit-hint
+  follow-ups and copies included), per-family success and pass@k with the change, RL minutes, mean prefill tokens per step by sampler.
 * ``replay``: the recorded turns of the first run prefilled again by
   `rlcode.session_sampling.replay_prefill` in each mode – ``documents`` (squid, each distinct read file encoded once and
   its KV reused across the group's episodes and turns), ``incremental`` (a dense sampler with a
@@ -55,21 +55,27 @@ REPORT_NAMES = ("agent_repo", "agent_repo_code")
 
 # The tool outcomes (read_ok, edit_ok: share of episodes with a read / edit that succeeded;
 # tool_errors per episode) show whether a policy names real files long before any success.
-TOOL_TAGS = ("read_ok", "edit_ok", "tool_errors")
+TOOL_TAGS = ("read_ok", "edit_ok", "tool_errors", "hint_follow_ups", "hint_copies")
 CURVE_TAGS = ("eval_fresh/success", "eval/success", "eval_fresh/pass@1", "eval/pass@1", "rollout/success",
               *(f"{p}/{t}" for p in ("eval_fresh", "eval", "rollout") for t in TOOL_TAGS),
               "rollout/reward", "rollout/turns", "rollout/malformed_calls", "prefill/tokens_full",
               "prefill/tokens_incremental", "prefill/tokens_documents", "prefill/saved_vs_incremental",
               "prefill/saved_vs_full", "prefill/seconds", "decode/seconds", "time/step_s", "time/sample_s",
               "time/train_s", "time/rl_minutes", "train/is_ess", "train/kl_ref")
+# Also kept: each task family's fresh-task success and pass@k for every k the runs logged.
+CURVE_PREFIXES = ("eval_fresh/success_", "eval_fresh/pass@")
+
+
+def _kept(tag: str) -> bool:
+    return tag in CURVE_TAGS or tag.startswith(CURVE_PREFIXES)
 
 
 def curves(run_dir: str) -> dict[str, list[list[float]]]:
     out: dict[str, list[list[float]]] = {}
     for rec in read_jsonl(os.path.join(run_dir, "tb")):
-        for tag in CURVE_TAGS:
-            if tag in rec and rec[tag] is not None:
-                out.setdefault(tag, []).append([int(rec["step"]), float(rec[tag])])
+        for tag, value in rec.items():
+            if _kept(tag) and value is not None:
+                out.setdefault(tag, []).append([int(rec["step"]), float(value)])
     return out
 
 
@@ -93,7 +99,9 @@ def run_summary(run_dir: str, c: dict, mean_steps: tuple[int, int] | None = None
     per_step = {tag: [v for step, v in c.get(tag, []) if mean_steps is None or mean_steps[0] <= step <= mean_steps[1]]
                 for tag in CURVE_TAGS}
     out["mean_over_steps"] = len(per_step["time/sample_s"])
-    for tag in ("eval_fresh/success", "eval/success", *(f"eval_fresh/{t}" for t in TOOL_TAGS)):
+    evaluated = ("eval_fresh/success", "eval/success", *(f"eval_fresh/{t}" for t in TOOL_TAGS),
+                 *sorted(t for t in c if t.startswith(CURVE_PREFIXES)))
+    for tag in evaluated:
         if c.get(tag):
             start, end = c[tag][0][1], c[tag][-1][1]
             out[tag] = {"start": start, "end": end, "change": end - start, "best": max(v for _, v in c[tag])}

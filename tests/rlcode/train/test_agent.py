@@ -581,15 +581,21 @@ def test_agent_report_means_over_the_steps_two_runs_share(tmp_path, monkeypatch)
     (run / "tb").mkdir(parents=True)
     json.dump({"completed": True, "steps_done": 4, "seconds": 600.0}, open(run / "summary.json", "w"))
     json.dump({"job": "agent", "task": {"num_fresh": 1}}, open(run / "config.json", "w"))
-    rows = [{"step": 0, "eval_fresh/success": 0.25}]
+    rows = [{"step": 0, "eval_fresh/success": 0.25, "eval_fresh/success_fix_constant": 0.5, "eval_fresh/pass@8": 0.5,
+             "eval_fresh/hint_copies": 0.0, "eval_fresh/nothing_kept": 1.0}]
     rows += [{"step": s, "time/sample_s": 10.0 * s, "decode/seconds": float(s), "prefill/tokens_documents": 100.0 * s,
               "rollout/success": s / 8} for s in (1, 2, 3, 4)]
-    rows += [{"step": 4, "eval_fresh/success": 0.5}]
+    rows += [{"step": 4, "eval_fresh/success": 0.5, "eval_fresh/success_fix_constant": 0.75, "eval_fresh/pass@8": 0.75,
+              "eval_fresh/hint_copies": 0.5, "eval_fresh/nothing_kept": 2.0}]
     with open(run / "tb" / "metrics.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     c = agent_report.curves(str(run))
     every, first = agent_report.run_summary(str(run), c), agent_report.run_summary(str(run), c, mean_steps=(1, 2))
     assert (every["mean_over_steps"], first["mean_over_steps"]) == (4, 2)
+    # Per-family success, pass@k and the hint tags are summarised; other tags are not kept.
+    assert every["eval_fresh/success_fix_constant"] == {"start": 0.5, "end": 0.75, "change": 0.25, "best": 0.75}
+    assert every["eval_fresh/pass@8"]["change"] == 0.25 and every["eval_fresh/hint_copies"]["end"] == 0.5
+    assert "eval_fresh/nothing_kept" not in c and "eval_fresh/nothing_kept" not in every
     later = agent_report.run_summary(str(run), c, mean_steps=agent_report.parse_steps("3-4"))
     assert later["mean_time_sample_s"] == 35.0 and later["mean_over_steps"] == 2
     assert agent_report.parse_steps("2") == (1, 2) and agent_report.parse_steps(None) is None
