@@ -214,6 +214,9 @@ def validate_config(cfg: Any, num_devices: int | None = None,
     if cfg.task.get("demo_bugs", "standard") != "standard" and cfg.task.get("source", "repo") != "repo":
         raise ConfigError(f"task.demo_bugs={cfg.task.demo_bugs!r}: varied bugs exist only for the generated "
                           f"tasks (task.source='repo'), not task.source={cfg.task.source!r}")
+    if cfg.agent.expert_style == "recover" and not cfg.agent.get("edit_hints", False):
+        raise ConfigError("agent.expert_style='recover' demonstrates copying the line a refused edit shows, which "
+                          "needs agent.edit_hints=True (or use expert_style='compact')")
     if len(rl_task_indices(cfg)) < P and cfg.task.get("source", "repo") != "mined":
         raise ConfigError(f"task.rl_tasks='undemonstrated': task.num_train={cfg.task.num_train} leaves "
                           f"{len(rl_task_indices(cfg))} tasks after the task.num_demos={cfg.task.num_demos} "

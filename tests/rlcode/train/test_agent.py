@@ -286,6 +286,15 @@ def test_varied_demonstration_bugs_need_the_generated_tasks():
         agent.validate_config(cfg, 1)
 
 
+def test_the_recovering_expert_needs_edit_hints():
+    cfg = tiny("squid")
+    cfg.agent.expert_style, cfg.agent.edit_hints = "recover", True
+    agent.validate_config(cfg, 1)
+    cfg.agent.edit_hints = False
+    with pytest.raises(ConfigError, match="expert_style='recover' .* needs agent.edit_hints=True"):
+        agent.validate_config(cfg, 1)
+
+
 def test_every_field_of_the_agent_job_is_checked():
     paths = check_every_field(tiny("squid"), lambda c: agent.validate_config(c, 1))
     assert "agent.tools" in paths and "reward.hack_flags" in paths and "train.max_minutes" in paths
