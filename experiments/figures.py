@@ -89,14 +89,16 @@ MOE_PRECISION = ("python -m experiments.moe_precision --publish",
                  "python -m experiments.moe_precision --seed=2 --workdir=runs/moe_precision_seed2 "
                  "--out=results/moe_precision_seed2.json")
 # results/agent_repo.json: the byte-level policy (then the default, now base=bytes). Both agent
-# reports were made before failed edits showed the file's closest text (agent.edit_hints).
+# reports were made before failed edits showed the file's closest text (agent.edit_hints) and with
+# the compact expert (the default before expert_style=recover).
 TRAIN_AGENT = ("python -m experiments.train --config=configs/agent_repo.py:base=bytes --config.workdir=runs/agent_repo/seed0"
-               " --config.agent.edit_hints=False")
+               " --config.agent.edit_hints=False --config.agent.expert_style=compact")
 # results/agent_repo_code.json: the default agent job (the pretrained base), RL seeds 0 and 1 from seed
 # 0's warm start, 45 minutes of RL each.
 TRAIN_AGENT_CODE = tuple(
     f"python -m experiments.train --config=configs/agent_repo.py --config.seed={s} --config.sft.seed=0 "
-    f"--config.workdir=runs/agent_repo_code/seed{s} --config.agent.edit_hints=False --config.train.max_minutes=45 "
+    f"--config.workdir=runs/agent_repo_code/seed{s} --config.agent.edit_hints=False --config.agent.expert_style=compact "
+    "--config.train.max_minutes=45 "
     "--config.eval.num_samples=8 "
     f"--config.eval.every={e}" for s, e in ((0, 20), (1, 25))) + (
     "python -m experiments.agent_report --runs runs/agent_repo_code/seed0,runs/agent_repo_code/seed1 --no_replay "
