@@ -94,6 +94,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="--hf on repo / mined tasks: the agent config file for the episodes (turns, context, "
                         "tools, rewards; default configs/agent_repo.py of this checkout)")
     p.add_argument("--limit", type=int, default=None, help="evaluate the first N tasks only")
+    p.add_argument("--bugs", choices=("standard", "varied"), default="standard",
+                   help="repo / repo_fresh: varied plants each level-1 fix task's bug from the wider set of "
+                        "rlcode.envs.tasks.repo.generate_task (same seeds): a probe of whether the policy reads the "
+                        "broken line or recalls it, not a benchmark")
     p.add_argument("--prompt", choices=PROMPT_STYLES, default="completion", help="prompt style")
     p.add_argument("--samples", type=int, default=8, help="completions per task (n)")
     p.add_argument("--k", type=_parse_ks, default=(1, 4, 8), help="comma-separated k of pass@k (each <= n)")
@@ -127,6 +131,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--step and --warm_start name different policies; give one")
     if args.tasks not in COMPLETION and args.prompt == "chat":
         p.error(f"--tasks {args.tasks} plays agent episodes in the built-in chat format; --prompt does not apply")
+    if args.bugs != "standard" and args.tasks not in ("repo", "repo_fresh"):
+        p.error(f"--bugs {args.bugs} applies to the generated repository tasks (--tasks repo or repo_fresh)")
     if args.agent_config is not None and not (args.hf and args.tasks not in COMPLETION):
         p.error("--agent_config applies to --hf with --tasks repo or mined (a run brings its own config)")
     if args.tasks not in COMPLETION and args.k != (1, args.samples) and args.k != (1,):
@@ -377,21 +383,11 @@ def evaluate_agent(args: argparse.Namespace, policy: Policy, pool: Any, log=prin
     evaluation (`rlcode.train.agent.evaluate`: success = pass@1, pass@n, per level)."""
     import jax
 
-    from rlcode.envs.tasks import mined
     from rlcode.session_sampling import SessionSampler
     from rlcode.train import agent
 
     cfg = policy.config
-    if args.tasks == "mined":
-        tasks = mined.load_prepared(args.mined_dir, splits=("test",))["test"]
-    elif args.tasks == "repo_fresh":  # the run's eval_fresh tasks, and more of them with --limit
-        cfg.task.num_fresh = args.limit if args.limit is not None else cfg.task.num_fresh
-        tasks = agent.build_tasks(cfg, sets=("eval_fresh",))["eval_fresh"]
-    else:
-        tasks = agent.build_tasks(cfg, sets=("eval",))["eval"]
-    tasks = tasks[: args.limit] if args.limit is not None else tasks
-    if not tasks:
-        raise SystemExit(f"no {args.tasks} task to evaluate")
+    tasks = agent_tasks(args, cfg)
     cfg.eval.num_samples = args.samples
     sampler = SessionSampler(policy.graphdef, policy.tokenizer, rows=args.batch * args.samples,
                              max_context=cfg.agent.max_context_tokens, max_response=cfg.agent.max_response_tokens,
@@ -417,6 +413,7 @@ def evaluate_agent(args: argparse.Namespace, policy: Policy, pool: Any, log=prin
         "source": args.tasks, "split": {"mined": "test", "repo_fresh": "eval_fresh"}.get(args.tasks, "eval"),
         "policy": policy.origin,
         "prompt": "agent", "settings": {"samples": n, "k": ks, "temperature": args.temperature, "top_p": 1.0,
+                                        "bugs": args.bugs,
                                         "max_new_tokens": policy.max_new_tokens, "max_prompt_len": policy.max_prompt_len,
                                         "seed": args.seed, "timeout": args.timeout},
         "tasks": {"evaluated": len(tasks), "left_out_too_long": 0}, "overall": overall, "by_difficulty": by_level,
@@ -425,6 +422,29 @@ def evaluate_agent(args: argparse.Namespace, policy: Policy, pool: Any, log=prin
         "episode_metrics": m,
         "seconds": {"total": round(time.perf_counter() - t0, 2)}, "per_task": per_task, "transcripts": transcripts,
     }
+
+
+def agent_tasks(args: argparse.Namespace, cfg: Any) -> list:
+    """The tasks an agent evaluation plays: the mined test split, or the run's fresh / held-out
+    repository tasks (the first --limit; for repo_fresh, more than the run's own with a larger
+    --limit), with --bugs varied the same seeds with their bug drawn from the wider set."""
+    from rlcode.envs.tasks import mined
+    from rlcode.envs.tasks import repo as repo_tasks
+    from rlcode.train import agent
+
+    if args.tasks == "mined":
+        tasks = mined.load_prepared(args.mined_dir, splits=("test",))["test"]
+    elif args.tasks == "repo_fresh":  # the run's eval_fresh tasks, and more of them with --limit
+        cfg.task.num_fresh = args.limit if args.limit is not None else cfg.task.num_fresh
+        tasks = agent.build_tasks(cfg, sets=("eval_fresh",))["eval_fresh"]
+    else:
+        tasks = agent.build_tasks(cfg, sets=("eval",))["eval"]
+    tasks = tasks[: args.limit] if args.limit is not None else tasks
+    if not tasks:
+        raise SystemExit(f"no {args.tasks} task to evaluate")
+    if args.bugs != "standard":
+        tasks = [repo_tasks.generate_task(t.seed, difficulty=t.difficulty, split=t.split, bugs=args.bugs) for t in tasks]
+    return tasks
 
 
 def first_edit(episode: Any) -> dict[str, Any] | None:

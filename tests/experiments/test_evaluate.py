@@ -103,11 +103,35 @@ def test_pass_at_k_and_difficulty_tables_equal_the_oracle(sandbox_pool, monkeypa
     (["--hf", "x", "--tasks", "mined", "--prompt", "chat"], "--prompt does not apply"),
     (["--run", "x", "--tasks", "mined", "--agent_config", "c.py"], "--agent_config applies to --hf"),
     (["--run", "x", "--tasks", "repo", "--samples", "4", "--k", "1,2"], "pass@1 and pass@n"),
+    (["--run", "x", "--tasks", "mined", "--bugs", "varied"], "--bugs varied applies to the generated repository"),
 ])
 def test_bad_arguments_are_one_line_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         evaluate.parse_args(argv)
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_varied_bugs_replant_the_same_fresh_tasks():
+    """--bugs varied: the same seeds and families as the run's fresh tasks, each with its bug drawn
+    from the wider set (a different broken line for most); the standard draw is the run's own."""
+    from configs.agent_repo import get_config
+
+    cfg = get_config()
+    argv = ["--run", "x", "--tasks", "repo_fresh", "--limit", "12", "--samples", "2", "--k", "1,2"]
+    standard = evaluate.agent_tasks(evaluate.parse_args(argv), cfg)
+    varied = evaluate.agent_tasks(evaluate.parse_args(argv + ["--bugs", "varied"]), cfg)
+    assert [t.task_id for t in standard] == [t.task_id for t in get_fresh(cfg, 12)]
+    assert [t.task_id for t in varied] == [t.task_id + "/varied" for t in standard]
+    assert [t.family for t in varied] == [t.family for t in standard]
+    assert sum(v.edits[0].old != s.edits[0].old for v, s in zip(varied, standard)) >= 6
+
+
+def get_fresh(cfg, n):
+    from rlcode.train import agent
+
+    cfg = cfg.copy_and_resolve_references()
+    cfg.task.num_fresh = n
+    return agent.build_tasks(cfg, sets=("eval_fresh",))["eval_fresh"]
 
 
 def test_the_run_policy_holds_the_checkpoints_parameters(run_dir, tmp_path):
