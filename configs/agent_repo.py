@@ -26,7 +26,10 @@ bounds the time spent in RL steps (evaluations excluded). The argument after ':'
                   (1,792 with level 3): every expert episode of 48 train tasks per level then
                   fits one context (at 1,024 tokens 37 of 48 did at level 1). A response is 96
                   tokens (192 with level 3); the length penalty's midpoint is 224 generated
-                  tokens (the expert generates 0.44 times as many BPE tokens as bytes).
+                  tokens (the expert generates 0.44 times as many BPE tokens as bytes). These
+                  sizes were measured on the compact expert; the recovering expert's episodes
+                  (one turn longer) fit them too: all 2,000 level-1 demonstrations (881 tokens
+                  on average), and a test replays it at every level.
 
 `--config.task.demo_bugs=varied` has the expert demonstrate each of its tasks with the bug drawn
 from a much wider set (any wrong constant of 2-999, any one-operator, operand-order or parameter
