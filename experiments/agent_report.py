@@ -49,9 +49,9 @@ from rlcode.train.agent import build_tasks
 from rlcode.train.episodes import episode_kwargs
 from rlcode.train.metrics import read_json_lines, read_jsonl
 
-# The published reports (experiments.figures draws each): the byte-level policy's run, and the
-# runs from the pretrained code base.
-REPORT_NAMES = ("agent_repo", "agent_repo_code")
+# The published reports (experiments.figures draws each): the byte-level policy's run, the runs
+# from the pretrained code base with the compact expert, and the default job (the recovering expert).
+REPORT_NAMES = ("agent_repo", "agent_repo_code", "agent_recover")
 
 # The tool outcomes (read_ok, edit_ok: share of episodes with a read / edit that succeeded;
 # tool_errors per episode) show whether a policy names real files long before any success.
@@ -203,7 +203,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--publish", action="store_true", help=PUBLISH_HELP.replace("<name>", "<--name>"))
     p.add_argument("--name", default="agent_repo", choices=REPORT_NAMES,
                    help="the report's name: runs/<name>/<name>.json, or results/<name>.json with --publish "
-                        "(agent_repo: the byte-level policy's runs; agent_repo_code: the pretrained base's)")
+                        "(agent_repo: the byte-level policy's runs; agent_repo_code: the pretrained base's with "
+                        "the compact expert; agent_recover: the default job, its expert recovering from a refused "
+                        "edit)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--no_warmup", action="store_true", help="no untimed pass first: the times include compilation "
                    "(to check the token counts quickly)")

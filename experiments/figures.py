@@ -103,6 +103,14 @@ TRAIN_AGENT_CODE = tuple(
     f"--config.eval.every={e}" for s, e in ((0, 20), (1, 25))) + (
     "python -m experiments.agent_report --runs runs/agent_repo_code/seed0,runs/agent_repo_code/seed1 --no_replay "
     "--name agent_repo_code --publish",)
+# results/agent_recover.json: the default agent job (the pretrained base, the recovering expert,
+# edit hints), RL seeds 0 and 1 from seed 0's warm start, 45 minutes of RL each.
+TRAIN_AGENT_RECOVER = tuple(
+    f"python -m experiments.train --config=configs/agent_repo.py{flags} --config.workdir=runs/agent_recover_std/seed{s} "
+    "--config.train.max_minutes=45 --config.eval.num_samples=8 --config.eval.every=25"
+    for s, flags in ((0, ""), (1, " --config.seed=1 --config.sft.seed=0"))) + (
+    "python -m experiments.agent_report --runs runs/agent_recover_std/seed0,runs/agent_recover_std/seed1 "
+    "--no_replay --mean_steps 1-50 --name agent_recover --publish",)
 PRETRAIN = ("python -m experiments.prepare_corpus && "
             "python -m experiments.pretrain --config=configs/pretrain_code.py --publish")
 PLOT_PRETRAIN = _plot_training_command(
@@ -142,6 +150,7 @@ PRODUCERS = {
     "results/agent_repo.json": f"{TRAIN_AGENT}, then summarise the run into it "
                                "(schema: experiments.figures.draw_agent_repo)",
     "results/agent_repo_code.json": " && ".join(TRAIN_AGENT_CODE),
+    "results/agent_recover.json": " && ".join(TRAIN_AGENT_RECOVER),
 }
 
 # ------------------------------------------------------------------------------ the producing scripts
@@ -773,6 +782,14 @@ FIGURES: dict[str, FigureSpec] = {f.name: f for f in (
         "that were not demonstrations): success through training (eval_fresh/ and eval/ at each evaluation, "
         "rollouts as a trailing mean) and prefill tokens per step by sampler, for the first run listed.",
         TRAIN_AGENT_CODE, notes=lambda d: agent_repo_notes(d, "results/agent_repo_code.json")),
+    FigureSpec(
+        "agent_recover", ("results/agent_recover.json",),
+        lambda d, out: draw_agent_repo(d["results/agent_recover.json"], out, "results/agent_recover.json"),
+        "The default agent job: the pretrained code base, SFT on 2,000 demonstrations of the recovering expert "
+        "(a wrong edit, refused with the file's closest line, then that line copied), then GRPO on the train tasks "
+        "that were not demonstrations: success through training (eval_fresh/ and eval/ at each evaluation, "
+        "rollouts as a trailing mean) and prefill tokens per step by sampler, for the first run listed.",
+        TRAIN_AGENT_RECOVER, notes=lambda d: agent_repo_notes(d, "results/agent_recover.json")),
 )}
 
 
