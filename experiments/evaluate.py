@@ -468,7 +468,7 @@ def by_family(tasks: Sequence[Any], episodes: Sequence[Any], n: int) -> dict[str
         rows = [i for i, t in enumerate(tasks) if getattr(t, "family", "") == family]
         eps = [(tasks[i], e) for i in rows for e in episodes[i * n:(i + 1) * n]]
         exact = [(first_edit(e) or {}).get("old") == t.edits[0].old for t, e in eps if len(getattr(t, "edits", ())) == 1]
-        follow = np.sum([hint_follow_ups(e.trajectory) for _, e in eps], axis=0) if eps else np.zeros(2)
+        follow = np.sum([hint_follow_ups(e.trajectory) for _, e in eps], axis=0)
         out[family or "-"] = {
             "tasks": len(rows), "pass@1": float(np.mean([e.success for _, e in eps])),
             "edit_ok": float(np.mean([called_ok(e.trajectory, "edit_file") for _, e in eps])),
@@ -515,7 +515,7 @@ def markdown(report: dict[str, Any]) -> str:
         lines += ["| family | tasks | pass@1 | edit applied | first edit names the broken line | edit hint copied |",
                   "|---" * 6 + "|"]
         lines += [f"| {f} | {r['tasks']} | {r['pass@1']:.3f} | {r['edit_ok']:.3f} | {r['first_edit_exact']:.3f} | "
-                  f"{r.get('hint_copied', float('nan')):.3f} |" for f, r in report["by_family"].items()] + [""]
+                  f"{r['hint_copied']:.3f} |" for f, r in report["by_family"].items()] + [""]
     lines += ["## Transcripts", ""]
     for t in report["transcripts"]:
         lines += [f"### {t['task_id']} (passed: {t['passed']})", "", "```python", t["prompt"].rstrip("\n"),
@@ -561,7 +561,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for family, r in report.get("by_family", {}).items():
         print(f"  {family}: {r['tasks']} tasks, pass@1 {r['pass@1']:.3f}, edit_ok {r['edit_ok']:.3f}, "
               f"first edit names the broken line {r['first_edit_exact']:.3f}, "
-              f"edit hint copied {r.get('hint_copied', float('nan')):.3f}")
+              f"edit hint copied {r['hint_copied']:.3f}")
     print(f"wrote {os.path.join(out, 'evaluate.json')} and .md" + (" and results/evaluate_" + args.publish + ".*"
                                                                      if args.publish else ""))
     return 0

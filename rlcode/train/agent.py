@@ -71,15 +71,17 @@ def evaluate(tasks: Sequence[repo_tasks.RepoTask], sampler: SessionSampler, para
     correct = np.array([e.success for e in episodes]).reshape(len(tasks), n)
     out = episode_metrics(episodes, prefix)
     out.update({f"{prefix}/{k}": v for k, v in eval_summary(correct, ks=(1, n)).items()})
-    for level in sorted({t.difficulty for t in tasks}):
-        sel = [i for i, t in enumerate(tasks) if t.difficulty == level]
-        out[f"{prefix}/success_L{level}"] = float(correct[sel].mean())
-    # Per task family (generated repository tasks): where the rate of guessing the broken line
-    # differs by family, the overall success hides which one moved.
-    for family in sorted({getattr(t, "family", "") for t in tasks} - {""}):
-        sel = [i for i, t in enumerate(tasks) if getattr(t, "family", "") == family]
-        out[f"{prefix}/success_{family}"] = float(correct[sel].mean())
+    # Per level, and per task family (generated repository tasks): where the rate of guessing the
+    # broken line differs by family, the overall success hides which one moved.
+    for labels in ([f"L{t.difficulty}" for t in tasks], [getattr(t, "family", "") for t in tasks]):
+        out.update({f"{prefix}/success_{label}": v for label, v in success_by(correct, labels).items()})
     return out
+
+
+def success_by(correct: np.ndarray, labels: Sequence[str]) -> dict[str, float]:
+    """{label: mean success of the tasks (rows of `correct`) with that label}, for every non-empty label."""
+    labels = np.asarray(labels)
+    return {label: float(correct[labels == label].mean()) for label in sorted(set(labels.tolist()) - {""})}
 
 
 MINED_DIR = os.path.join(".cache", "mined")  # experiments.prepare_mined's default cache

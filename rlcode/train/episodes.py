@@ -193,6 +193,7 @@ def hint_follow_ups(trajectory: Any) -> tuple[int, int]:
 
 def episode_metrics(episodes: Sequence[Episode], prefix: str) -> dict[str, float]:
     trajs = [e.trajectory for e in episodes]
+    hints = np.asarray([hint_follow_ups(t) for t in trajs], np.float64).reshape(-1, 2)
     out = {
         f"{prefix}/success": float(np.mean([e.success for e in episodes])),
         f"{prefix}/reward": float(np.mean([e.reward for e in episodes])),
@@ -207,8 +208,8 @@ def episode_metrics(episodes: Sequence[Episode], prefix: str) -> dict[str, float
         f"{prefix}/edit_ok": float(np.mean([called_ok(t, "edit_file") for t in trajs])),
         # Edits per episode made right after a failed edit that showed the file's closest text,
         # and those that copied it: whether the policy reads the hint or guesses again.
-        f"{prefix}/hint_follow_ups": float(np.mean([hint_follow_ups(t)[0] for t in trajs])),
-        f"{prefix}/hint_copies": float(np.mean([hint_follow_ups(t)[1] for t in trajs])),
+        f"{prefix}/hint_follow_ups": float(np.mean(hints[:, 0])),
+        f"{prefix}/hint_copies": float(np.mean(hints[:, 1])),
         f"{prefix}/submitted": float(np.mean([t.submitted for t in trajs])),
         f"{prefix}/summaries": float(np.mean([t.num_summaries for t in trajs])),
         f"{prefix}/invalid": float(np.mean([not e.valid for e in episodes])),
