@@ -286,6 +286,20 @@ def test_varied_demonstration_bugs_need_the_generated_tasks():
         agent.validate_config(cfg, 1)
 
 
+def test_success_by_label_against_a_loop():
+    """The evaluation's success_L<level> / success_<family>: the mean over the episodes of each
+    label's tasks; tasks without a label (mined tasks have no family) are left out."""
+    rng = np.random.default_rng(0)
+    correct = rng.random((9, 3)) < 0.5
+    labels = ["fix_a", "fix_b", "", "fix_a", "fix_c", "fix_b", "fix_a", "", "fix_c"]
+    expected = {}
+    for label in ("fix_a", "fix_b", "fix_c"):
+        rows = [correct[i] for i in range(9) if labels[i] == label]
+        expected[label] = sum(float(x) for row in rows for x in row) / (3 * len(rows))
+    got = agent.success_by(correct, labels)
+    assert list(got) == ["fix_a", "fix_b", "fix_c"] and got == pytest.approx(expected)
+
+
 def test_the_recovering_expert_needs_edit_hints():
     cfg = tiny("squid")
     cfg.agent.expert_style, cfg.agent.edit_hints = "recover", True
@@ -340,6 +354,10 @@ def test_agent_job_end_to_end_and_report(tmp_path):
     assert result.completed and result.steps_done == 1
     for key in ("eval_fresh/success", "eval/success", "eval_fresh/pass@1", "eval/best_of_2"):
         assert key in result.first_eval and key in result.last_eval
+    sets = agent.build_tasks(cfg, sets=("eval_fresh", "eval"))
+    for prefix in ("eval_fresh", "eval"):  # one task per set: its family's success is the set's
+        (task,) = sets[prefix]
+        assert result.first_eval[f"{prefix}/success_{task.family}"] == result.first_eval[f"{prefix}/success"]
     logged = {k for r in read_jsonl(os.path.join(cfg.workdir, "tb")) for k in r}
     assert [t for t in agent.JOB.summary_metrics(cfg) if t not in logged] == []  # the HParams tab's metrics
     # The behaviour monitor's statistics (the agent has no question action).
@@ -572,13 +590,14 @@ def test_hint_follow_ups_count_the_edits_after_a_hinted_failure_and_the_copies(t
     cases = {(wrong.old, edit.old): (1, 1),  # hint copied
              (wrong.old, wrong.old, edit.old): (2, 1),  # the same guess again, then the copy
              (wrong.old, unlike, edit.old): (1, 0),  # a guess after the hint; no hint after it
+             (wrong.old, edit.old, edit.new): (1, 1),  # an edit after the applied copy follows no hint
              (edit.old,): (0, 0), (unlike, edit.old): (0, 0)}
     eps = []
     for olds, expected in cases.items():
         eps.append(play(*olds))
         assert episodes_lib.hint_follow_ups(eps[-1].trajectory) == expected, olds
     m = episodes_lib.episode_metrics(eps, "eval")
-    assert m["eval/hint_follow_ups"] == pytest.approx(4 / 5) and m["eval/hint_copies"] == pytest.approx(2 / 5)
+    assert m["eval/hint_follow_ups"] == pytest.approx(5 / 6) and m["eval/hint_copies"] == pytest.approx(3 / 6)
 
 
 def test_agent_report_means_over_the_steps_two_runs_share(tmp_path, monkeypatch):
