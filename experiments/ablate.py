@@ -64,9 +64,9 @@ where the Ray instance or ``ray start`` was started). A line is printed as each 
 whose worker or node is lost (Ray reports the task failed by the system: the worker crashed, the
 node died) is started again, resuming, up to ``--max_retries`` times (default 3), then recorded as
 failed; a run whose command exits non-zero is recorded as failed, as above, and not retried.
-Resuming, Ctrl-C (one SIGINT to each running run; the waiting ones are cancelled), the run
-directories, the table and the recorded command (which leaves out the launcher's flags) are as
-with the local launcher. An address nothing answers at, or a run needing more than any node has,
+Resuming, Ctrl-C (one SIGINT to each running run, through a stop file in ``--out_dir``; the waiting
+ones do not start), the run directories, the table and the recorded command (which leaves out the
+launcher's flags) are as with the local launcher. An address nothing answers at, or a run needing more than any node has,
 is an error before any run starts.
 
 Writes into the runs' directory (``--out_dir``, default runs/ablate/<name>/) by default, so a
@@ -522,26 +522,28 @@ os.execvp(sys.argv[2], sys.argv[2:])
 """
 
 
-def _wait(proc: subprocess.Popen) -> int:
+def _wait(proc: subprocess.Popen, stop_file: str | None = None) -> int | None:
     """proc.wait(), in short slices: a KeyboardInterrupt that is raised in this thread without a
-    signal (how Ray cancels a running task) is delivered within a fraction of a second."""
+    signal is delivered within a fraction of a second. None (the process still running) once
+    `stop_file` exists."""
     while True:
         try:
             return proc.wait(timeout=0.5)
         except subprocess.TimeoutExpired:
-            pass
+            if stop_file and os.path.exists(stop_file):
+                return None
 
 
-def execute(run: Run, cmd: Sequence[str], say=print, in_ray_task: bool = False) -> dict:
-    """Run `cmd` with its output appended to <workdir>/log.txt; Ctrl-C sends the child one SIGINT
-    (it checkpoints and exits), a second one kills it, then Interrupted is raised. Returns (and
-    writes to <workdir>/ablate_status.json) {"status", "returncode", "seconds", "log_tail"}.
-    `in_ray_task`: the child is started through IN_RAY_TASK (it dies with this process)."""
+def execute(run: Run, cmd: Sequence[str], say=print, in_ray_task: bool = False, stop_file: str | None = None) -> dict:
+    """Run `cmd` with its output appended to <workdir>/log.txt; Ctrl-C (or `stop_file` appearing)
+    sends the child one SIGINT (it checkpoints and exits), a Ctrl-C after that kills it, then
+    Interrupted is raised. Returns (and writes to <workdir>/ablate_status.json) {"status",
+    "returncode", "seconds", "log_tail"}. `in_ray_task`: the child is started through IN_RAY_TASK
+    (it dies with this process)."""
     os.makedirs(run.workdir, exist_ok=True)
     with open(os.path.join(run.workdir, "command.txt"), "w") as f:
         f.write(shlex.join(cmd) + "\n")
     log_path = os.path.join(run.workdir, "log.txt")
-    interrupted = False
     t0 = time.perf_counter()
     with open(log_path, "ab") as log:
         start = log.tell()
@@ -553,9 +555,11 @@ def execute(run: Run, cmd: Sequence[str], say=print, in_ray_task: bool = False) 
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
         try:
-            returncode = _wait(proc)
+            returncode = _wait(proc, stop_file)
         except KeyboardInterrupt:
-            interrupted = True
+            returncode = None
+        interrupted = returncode is None
+        if interrupted:
             say(f"  interrupted: stopping {run.label} seed {run.seed} (it saves a checkpoint); "
                 "Ctrl-C again kills it")
             try:
@@ -760,9 +764,10 @@ def ray_capacity(ray: Any, cpus: float, gpus: float) -> tuple[str, int]:
     return about, fits
 
 
-def run_in_ray_task(run: dict, cmd: list[str], cwd: str) -> dict:
+def run_in_ray_task(run: dict, cmd: list[str], cwd: str, stop_file: str | None = None) -> dict | None:
     """The body of a run's Ray task: `execute` from `cwd`, the directory ablate was started in
-    (the checkout, at the same path on every node), the run's process tied to this worker."""
+    (the checkout, at the same path on every node), the run's process tied to this worker and
+    stopped (one SIGINT) when `stop_file` appears. None, and nothing run, when it exists already."""
     import socket  # noqa: PLC0415
 
     try:
@@ -770,7 +775,9 @@ def run_in_ray_task(run: dict, cmd: list[str], cwd: str) -> dict:
     except OSError as e:
         raise RuntimeError(f"node {socket.gethostname()}: cannot enter {cwd} ({e.strerror}); every node needs "
                            "the checkout at the same path") from None
-    return execute(Run(**run), cmd, in_ray_task=True)
+    if stop_file and os.path.exists(stop_file):
+        return None
+    return execute(Run(**run), cmd, in_ray_task=True, stop_file=stop_file)
 
 
 def record_lost(run: Run, error: str, seconds: float) -> dict:
@@ -805,12 +812,18 @@ def _settle(ray: Any, refs: Sequence[Any], timeout: float | None = None) -> None
 
 
 def launch_ray(ray: Any, runs: Sequence[Run], config_path: str, train_module: str, say, cpus: float = 1.0,
-               gpus: float = 0.0, max_retries: int = DEFAULT_MAX_RETRIES) -> int:
+               gpus: float = 0.0, max_retries: int = DEFAULT_MAX_RETRIES, out_dir: str | None = None) -> int:
     """Run the grid as Ray tasks, as many at once as the cluster's CPUs and GPUs allow (each task
     asks for `cpus` and `gpus`), each task running what `launch_local` runs (`execute`). A task
     lost with its worker or node (or failing in Ray itself) is started again, resuming, up to
     `max_retries` times, then recorded as failed; a run whose command fails is recorded as failed
-    and not retried. Returns the number of failed runs."""
+    and not retried. Returns the number of failed runs.
+
+    Ctrl-C creates a stop file in `out_dir` (the file system every node shares; default: the
+    directory above the runs' directories), which each running task answers by sending its run one
+    SIGINT and a waiting task by not starting (Ray's own cancellation of a running task, a
+    KeyboardInterrupt raised in it, is not reliably delivered); a second Ctrl-C kills the tasks'
+    workers, and with them their runs."""
     n = len(runs)
     todo = []
     for i, run in enumerate(runs, 1):
@@ -828,6 +841,8 @@ def launch_ray(ray: Any, runs: Sequence[Run], config_path: str, train_module: st
     body = importlib.import_module(__spec__.name if __spec__ else __name__).run_in_ray_task
     task = ray.remote(body)
     cwd = os.getcwd()
+    out_dir = out_dir or os.path.commonpath([os.path.dirname(os.path.abspath(r.workdir)) for r in todo])
+    stop_file = os.path.join(os.path.abspath(out_dir), f".ablate_stop_{os.getpid()}_{time.time_ns()}")
     pending: dict[Any, tuple[Run, int, float]] = {}  # task -> (run, attempt, submitted)
     done, failed = n - len(todo), 0
 
@@ -836,7 +851,7 @@ def launch_ray(ray: Any, runs: Sequence[Run], config_path: str, train_module: st
         if state == "completed":  # a lost task whose run had finished
             return False
         ref = task.options(num_cpus=cpus, num_gpus=gpus, max_retries=0, name=f"ablate {run.label} seed{run.seed}"
-                           ).remote(dataclasses.asdict(run), cmd, cwd)
+                           ).remote(dataclasses.asdict(run), cmd, cwd, stop_file)
         pending[ref] = (run, attempt, time.perf_counter())
         return True
 
@@ -864,15 +879,19 @@ def launch_ray(ray: Any, runs: Sequence[Run], config_path: str, train_module: st
                 failed += not report(f"[{done}/{n}] {name}", info, say)
     except KeyboardInterrupt:
         say(f"interrupted: stopping {len(pending)} run(s) (a running one saves a checkpoint); Ctrl-C again kills them")
-        for ref in pending:
-            ray.cancel(ref)
         try:
+            os.makedirs(os.path.dirname(stop_file), exist_ok=True)
+            with open(stop_file, "w") as f:
+                f.write(f"Ctrl-C at {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
             _settle(ray, pending)
         except KeyboardInterrupt:
             for ref in pending:
                 ray.cancel(ref, force=True)
             _settle(ray, pending, timeout=30)
         raise
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(stop_file)
     return failed
 
 
@@ -1328,7 +1347,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 launch = lambda: launch_ray(  # noqa: E731
                     ray, runs, ctx.path, args.train_module, say, cpus=args.cpus_per_run or 1.0,
                     gpus=args.gpus_per_run or 0.0,
-                    max_retries=DEFAULT_MAX_RETRIES if args.max_retries is None else args.max_retries)
+                    max_retries=DEFAULT_MAX_RETRIES if args.max_retries is None else args.max_retries,
+                    out_dir=out_dir)
             else:
                 launch = lambda: launch_local(runs, ctx.path, args.train_module, say)  # noqa: E731
             previous = signal.signal(signal.SIGTERM, on_sigterm)

@@ -7,6 +7,7 @@ test_ablate.py) takes a few hundredths of a second and reads what to do from a f
 Without a cluster: the flags' errors, the launcher's flags left out of the recorded command, and
 the one-line errors for a missing ray package and an unreachable address."""
 
+import dataclasses
 import json
 import os
 import re
@@ -62,10 +63,12 @@ STANDIN = textwrap.dedent('''
             open(os.path.join(workdir, "signals"), "a").write(f"{signum}\\n")
 
         signal.signal(signal.SIGINT, stop)
-        open(os.path.join(workdir, "holding"), "w").close()
-        deadline = time.time() + 60
+        t0 = time.time()
+        open(os.path.join(workdir, "holding"), "w").write(repr(t0))
+        deadline = t0 + 60
         while not got and time.time() < deadline:
             time.sleep(0.02)
+        print(f"stand-in held {time.time() - t0:.2f} s: {'signal' if got else 'no signal'}", flush=True)
         time.sleep(0.5)  # a second signal arriving meanwhile is recorded too
         json.dump({"completed": False, "interrupted": True, "seconds": 1.0},
                   open(os.path.join(workdir, "summary.json"), "w"))
@@ -211,6 +214,47 @@ def test_an_unreachable_address_is_one_line_before_any_run(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: --ray_address=127.0.0.1:1: cannot reach the Ray cluster: ") and err.count("\n") == 1
     assert not ray.is_initialized() and not out.exists()
+
+
+def test_a_stop_file_sends_the_run_one_sigint_and_a_task_that_finds_it_does_not_start(standin_env, tmp_path,
+                                                                                      monkeypatch):
+    """How a Ray task is stopped (Ray's own cancellation of a running task is not reliably
+    delivered): the stop file appearing while the run holds makes `execute` send it one SIGINT and
+    record it interrupted; a task started after the file exists runs nothing."""
+    for name, value in standin_env.items():
+        monkeypatch.setenv(name, value)
+    out = tmp_path / "runs"
+    grid(out, {"hold": True})
+    run = ablate.Run(label="loss=grpo", variant={}, seed=0, workdir=str(out / "loss=grpo" / "seed0"), arg=None,
+                      fields=[])
+    cmd = [sys.executable, "-m", "standin_train", f"--config={CONFIG}", "--config.seed=0",
+           f"--config.workdir={run.workdir}"]
+    stop = tmp_path / ".stop"
+    holding = out / "loss=grpo" / "seed0" / "holding"
+
+    def request_stop():
+        deadline = time.time() + 60
+        while not holding.exists() and time.time() < deadline:
+            time.sleep(0.02)
+        stop.write_text("stop\n")
+
+    import threading
+
+    waiter = threading.Thread(target=request_stop)
+    waiter.start()
+    said = []
+    with pytest.raises(ablate.Interrupted) as info:
+        ablate.execute(run, cmd, say=said.append, in_ray_task=True, stop_file=str(stop))
+    waiter.join()
+    assert info.value.args[0]["status"] == "interrupted" and info.value.args[0]["returncode"] == 0
+    assert (holding.parent / "signals").read_text() == f"{int(signal.SIGINT)}\n"
+    assert "s: signal" in (holding.parent / "log.txt").read_text() and "interrupted: stopping" in said[0]
+    assert json.loads((holding.parent / ablate.STATUS_FILE).read_text())["status"] == "interrupted"
+
+    other = ablate.Run(label="loss=dapo", variant={}, seed=0, workdir=str(out / "loss=dapo" / "seed0"), arg=None,
+                       fields=[])
+    assert ablate.run_in_ray_task(dataclasses.asdict(other), cmd, ROOT, str(stop)) is None
+    assert not (out / "loss=dapo").exists()
 
 
 @pytest.mark.slow
@@ -380,6 +424,7 @@ def test_the_cli_joins_a_cluster_by_address_and_ctrl_c_stops_its_runs_once(clust
             time.sleep(0.05)
         assert len(list(out.glob("*/seed0/holding"))) == 2, proc.communicate()[0]
         assert sigint_state(proc.pid) == "deliverable"
+        sent = time.time()
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
         stdout, _ = proc.communicate(timeout=120)
     finally:
@@ -389,9 +434,12 @@ def test_the_cli_joins_a_cluster_by_address_and_ctrl_c_stops_its_runs_once(clust
     assert "interrupted: stopping 3 run(s)" in stdout and "writing the partial table" in stdout
     data = json.loads((out / "ablate_loss.json").read_text())
     status = {r["label"]: r["status"] for r in data["runs"]}
-    assert sorted(status.values()) == ["interrupted", "interrupted", "missing"]
+    logs = {d.parent.name: (d / "log.txt").read_text() for d in out.glob("*/seed0") if (d / "log.txt").exists()}
+    held_since = {d.parent.parent.name: sent - float(d.read_text()) for d in out.glob("*/seed0/holding")}
+    assert sorted(status.values()) == ["interrupted", "interrupted", "missing"], (status, held_since, logs, stdout[-3000:])
     held = [out / label / "seed0" for label, s in status.items() if s == "interrupted"]
     assert [(d / "signals").read_text() for d in held] == [f"{int(signal.SIGINT)}\n"] * 2
+    assert not list(out.glob(".ablate_stop*"))  # the stop file is gone with the grid
 
     (out / "standin.json").write_text("{}")
     assert ablate.main(argv) == 0  # in this process: through its own connection to the cluster
