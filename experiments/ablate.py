@@ -66,8 +66,8 @@ node died) is started again, resuming, up to ``--max_retries`` times (default 3)
 failed; a run whose command exits non-zero is recorded as failed, as above, and not retried.
 Resuming, Ctrl-C (one SIGINT to each running run, through a stop file in ``--out_dir``; the waiting
 ones do not start), the run directories, the table and the recorded command (which leaves out the
-launcher's flags) are as with the local launcher. An address nothing answers at, or a run needing more than any node has,
-is an error before any run starts.
+launcher's flags) are as with the local launcher. An address nothing answers at, or a run needing
+more than any node has, is an error before any run starts.
 
 Writes into the runs' directory (``--out_dir``, default runs/ablate/<name>/) by default, so a
 trial never replaces the committed tables; ``--publish`` writes results/ and docs/figures/ instead,
@@ -811,19 +811,18 @@ def _settle(ray: Any, refs: Sequence[Any], timeout: float | None = None) -> None
         _, refs = ray.wait(refs, num_returns=len(refs), timeout=0.5)
 
 
-def launch_ray(ray: Any, runs: Sequence[Run], config_path: str, train_module: str, say, cpus: float = 1.0,
-               gpus: float = 0.0, max_retries: int = DEFAULT_MAX_RETRIES, out_dir: str | None = None) -> int:
+def launch_ray(ray: Any, runs: Sequence[Run], config_path: str, train_module: str, say, out_dir: str,
+               cpus: float = 1.0, gpus: float = 0.0, max_retries: int = DEFAULT_MAX_RETRIES) -> int:
     """Run the grid as Ray tasks, as many at once as the cluster's CPUs and GPUs allow (each task
     asks for `cpus` and `gpus`), each task running what `launch_local` runs (`execute`). A task
     lost with its worker or node (or failing in Ray itself) is started again, resuming, up to
     `max_retries` times, then recorded as failed; a run whose command fails is recorded as failed
     and not retried. Returns the number of failed runs.
 
-    Ctrl-C creates a stop file in `out_dir` (the file system every node shares; default: the
-    directory above the runs' directories), which each running task answers by sending its run one
-    SIGINT and a waiting task by not starting (Ray's own cancellation of a running task, a
-    KeyboardInterrupt raised in it, is not reliably delivered); a second Ctrl-C kills the tasks'
-    workers, and with them their runs."""
+    Ctrl-C creates a stop file in `out_dir` (the grid's directory, on the file system every node
+    shares), which each running task answers by sending its run one SIGINT and a waiting task by
+    not starting (Ray's own cancellation of a running task, a KeyboardInterrupt raised in it, is
+    not reliably delivered); a second Ctrl-C kills the tasks' workers, and with them their runs."""
     n = len(runs)
     todo = []
     for i, run in enumerate(runs, 1):
@@ -841,7 +840,6 @@ def launch_ray(ray: Any, runs: Sequence[Run], config_path: str, train_module: st
     body = importlib.import_module(__spec__.name if __spec__ else __name__).run_in_ray_task
     task = ray.remote(body)
     cwd = os.getcwd()
-    out_dir = out_dir or os.path.commonpath([os.path.dirname(os.path.abspath(r.workdir)) for r in todo])
     stop_file = os.path.join(os.path.abspath(out_dir), f".ablate_stop_{os.getpid()}_{time.time_ns()}")
     pending: dict[Any, tuple[Run, int, float]] = {}  # task -> (run, attempt, submitted)
     done, failed = n - len(todo), 0
@@ -1345,10 +1343,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.launcher == "ray":
                 ray = stack.enter_context(ray_connection(args.ray_address))
                 launch = lambda: launch_ray(  # noqa: E731
-                    ray, runs, ctx.path, args.train_module, say, cpus=args.cpus_per_run or 1.0,
+                    ray, runs, ctx.path, args.train_module, say, out_dir, cpus=args.cpus_per_run or 1.0,
                     gpus=args.gpus_per_run or 0.0,
-                    max_retries=DEFAULT_MAX_RETRIES if args.max_retries is None else args.max_retries,
-                    out_dir=out_dir)
+                    max_retries=DEFAULT_MAX_RETRIES if args.max_retries is None else args.max_retries)
             else:
                 launch = lambda: launch_local(runs, ctx.path, args.train_module, say)  # noqa: E731
             previous = signal.signal(signal.SIGTERM, on_sigterm)

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -237,8 +238,6 @@ def test_a_stop_file_sends_the_run_one_sigint_and_a_task_that_finds_it_does_not_
         while not holding.exists() and time.time() < deadline:
             time.sleep(0.02)
         stop.write_text("stop\n")
-
-    import threading
 
     waiter = threading.Thread(target=request_stop)
     waiter.start()
